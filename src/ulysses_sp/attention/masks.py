@@ -1,0 +1,156 @@
+"""The mask of the GLOBAL sequence, described compactly and shared by every layer of one step.
+
+Shape legend: B batch, S global sequence length.
+
+A :class:`GlobalMask` holds O(B*S) data (document ids, padding), never an S x S matrix. Kernels ask
+it for the form they can use, each built once per step and cached on the object:
+
+    ==================  =====================================================  ============
+    kernel              form                                                   memory
+    ==================  =====================================================  ============
+    flash varlen        ``cu_seqlens`` over the flattened batch                 O(docs)
+    sdpa                per-document ``is_causal`` calls, or a dense bool mask  O(S) / O(S^2)
+    flex                a block mask from ``mask_mod``                         O(S^2/128^2)
+    eager               dense bool mask                                        O(S^2)
+    ==================  =====================================================  ============
+
+Documents come from global ``position_ids``: a new document starts wherever a position is not the
+previous one plus one (the convention of padding-free / packing collators).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+def document_ids_from_position_ids(position_ids_BS: torch.Tensor) -> torch.Tensor:
+    """``(B, S)`` positions -> ``(B, S)`` document index per row (0, 0, 0, 1, 1, 2, ...)."""
+    if position_ids_BS.dim() != 2:
+        raise ValueError(f"position_ids must be (batch, seq), got shape {tuple(position_ids_BS.shape)}.")
+    starts = torch.ones_like(position_ids_BS, dtype=torch.bool)
+    starts[:, 1:] = position_ids_BS[:, 1:] != position_ids_BS[:, :-1] + 1
+    return starts.long().cumsum(dim=1) - 1
+
+
+@dataclass(eq=False)
+class GlobalMask:
+    """Who may attend to whom in the global ``(B, S)`` batch.
+
+    Args:
+        seq_len: global sequence length S.
+        causal: query i sees keys j <= i.
+        document_ids: optional ``(B, S)`` ints; tokens only see keys of the same document.
+        valid: optional ``(B, S)`` bool; ``False`` marks padding keys. A padding query sees only
+            itself (finite output, ignored by the loss) so no row is fully masked.
+    """
+
+    seq_len: int
+    causal: bool = True
+    document_ids: torch.Tensor | None = None
+    valid: torch.Tensor | None = None
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        for name in ("document_ids", "valid"):
+            t = getattr(self, name)
+            if t is not None and (t.dim() != 2 or t.shape[1] != self.seq_len):
+                raise ValueError(f"{name} must be (batch, {self.seq_len}), got {tuple(t.shape)}.")
+        if self.valid is not None and self.valid.dtype != torch.bool:
+            self.valid = self.valid.bool()
+        if self.valid is not None and bool(self.valid.all()):
+            self.valid = None
+
+    @classmethod
+    def from_position_ids(
+        cls, position_ids_BS: torch.Tensor, valid_BS: torch.Tensor | None = None, causal: bool = True
+    ) -> GlobalMask:
+        """Mask of a (possibly packed) batch from its GLOBAL ``position_ids`` and padding mask."""
+        doc = document_ids_from_position_ids(position_ids_BS)
+        has_docs = bool((doc[:, -1] > 0).any())
+        return cls(position_ids_BS.shape[1], causal, doc if has_docs else None, valid_BS)
+
+    @property
+    def is_plain_causal(self) -> bool:
+        """True when the mask is just causal (kernels use their built-in causal path)."""
+        return self.causal and self.document_ids is None and self.valid is None
+
+    def _cached(self, key: tuple, build):
+        if key not in self._cache:
+            self._cache[key] = build()
+        return self._cache[key]
+
+    def dense(self, device: torch.device, sliding_window: int | None = None) -> torch.Tensor | None:
+        """``(B or 1, 1, S, S)`` bool, True = may attend; ``None`` when nothing is masked."""
+        if not self.causal and self.document_ids is None and self.valid is None and sliding_window is None:
+            return None
+        return self._cached(("dense", str(device), sliding_window), lambda: self._build_dense(device, sliding_window))
+
+    def _build_dense(self, device: torch.device, window: int | None) -> torch.Tensor:
+        S = self.seq_len
+        i = torch.arange(S, device=device)[:, None]
+        j = torch.arange(S, device=device)[None, :]
+        allowed = torch.ones(1, S, S, dtype=torch.bool, device=device)
+        if self.causal:
+            allowed = allowed & (j <= i)
+        if window is not None:
+            allowed = allowed & (i - j < window)
+        if self.document_ids is not None:
+            doc = self.document_ids.to(device)
+            allowed = allowed & (doc[:, :, None] == doc[:, None, :])
+        if self.valid is not None:
+            valid = self.valid.to(device)
+            allowed = (allowed & valid[:, None, :]) | (torch.eye(S, dtype=torch.bool, device=device) & ~valid[:, :, None])
+        return allowed[:, None]
+
+    def segments(self) -> list[list[tuple[int, int]]]:
+        """Per row, the ``(start, end)`` runs of one document and one padding state."""
+        return self._cached(("segments",), self._build_segments)
+
+    def _build_segments(self) -> list[list[tuple[int, int]]]:
+        keys = []
+        if self.document_ids is not None:
+            keys.append(self.document_ids.cpu())
+        if self.valid is not None:
+            keys.append(self.valid.cpu().long())
+        B = keys[0].shape[0] if keys else 1
+        rows = []
+        for b in range(B):
+            change = torch.zeros(self.seq_len, dtype=torch.bool)
+            change[0] = True
+            for key in keys:
+                change[1:] |= key[b, 1:] != key[b, :-1]
+            starts = change.nonzero().flatten().tolist() + [self.seq_len]
+            rows.append(list(zip(starts[:-1], starts[1:])))
+        return rows
+
+    def cu_seqlens(self, batch_size: int, device: torch.device) -> tuple[torch.Tensor, int]:
+        """``(int32 offsets, max length)`` of the segments over the flattened ``(B*S)`` tokens.
+
+        Padding runs become their own segments, so a varlen kernel never mixes them with real
+        tokens. Used by flash-attention's ``*_varlen_func``.
+        """
+
+        def build():
+            rows = self.segments()
+            self._check_no_split_documents(rows)
+            if len(rows) == 1 and batch_size > 1:
+                rows = rows * batch_size
+            lengths = [e - a for row in rows for a, e in row]
+            offsets = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+            return offsets.to(device), max(lengths)
+
+        return self._cached(("cu", batch_size, str(device)), build)
+
+    def _check_no_split_documents(self, rows: list[list[tuple[int, int]]]) -> None:
+        if self.valid is None:
+            return
+        doc = self.document_ids if self.document_ids is not None else torch.zeros_like(self.valid, dtype=torch.long)
+        for b, row in enumerate(rows):
+            docs = [int(doc[b, a]) for a, _ in row if bool(self.valid[b, a])]
+            if len(docs) != len(set(docs)):
+                raise ValueError(
+                    "padding sits inside a document (row %d); varlen kernels need padding at the "
+                    "ends of documents. Pad at the end of each sequence, or use sdpa / eager." % b
+                )

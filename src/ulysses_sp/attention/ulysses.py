@@ -1,0 +1,121 @@
+"""Ulysses sequence-parallel attention: exact attention on the full sequence from 1/P shards.
+
+Shape legend: see ``ulysses_sp.comm.layout``.
+
+    q (B,N,s,H) k,v (B,K,s,H)    my tokens, all heads
+        | 1. one all-to-all (q, k, v fused; uneven head splits; kv heads only where used)
+    q (B,n,S,H) k,v (B,k,S,H)    all tokens, my heads
+        | 2. regroup kv if this rank's query heads read them irregularly (N % P != 0 cases)
+        | 3. unchanged kernel on the global sequence with the global mask
+    o (B,S,n,Hv)
+        | 4. one all-to-all back
+    o (B,s,N,Hv)                 my tokens, all heads
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from ulysses_sp.attention.kernels import Kernel, get_kernel
+from ulysses_sp.attention.masks import GlobalMask
+from ulysses_sp.comm.all_to_all import head_to_seq_out, seq_to_head_qkv
+from ulysses_sp.comm.layout import HeadPlan
+
+_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
+
+
+class UlyssesAttention:
+    """Attention over a sequence sharded across the ranks of ``sp_group``.
+
+    Args:
+        sp_group: the sequence-parallel process group (``SPMesh.sp_group``); ``None`` means one
+            process (no communication, the kernel runs directly).
+        kernel: ``"sdpa"``, ``"eager"``, ``"flex_attention"``, ``"flash_attention_2"``,
+            ``"flash_attention_3"`` or a callable with the signature in ``attention.kernels``.
+
+    The first call checks, with one small all-gather, that every rank passes the same shapes and
+    dtype (a mismatch would otherwise crash or hang the all-to-all) and raises ``ValueError`` on
+    all ranks if not. Later calls trust their shapes: per-step consistency is checked once per
+    batch by the batch sharder, not per layer. Steady state: 2 collectives forward, 2 backward.
+    """
+
+    def __init__(self, sp_group: ProcessGroup | None, kernel: str | Kernel = "sdpa") -> None:
+        self.sp_group = sp_group
+        self.sp_size = 1 if sp_group is None else dist.get_world_size(sp_group)
+        self.sp_rank = 0 if sp_group is None else dist.get_rank(sp_group)
+        self.kernel: Kernel = get_kernel(kernel) if isinstance(kernel, str) else kernel
+        self._plans: dict[tuple[int, int], HeadPlan] = {}
+        self._validated = False
+
+    def plan(self, num_heads: int, num_kv_heads: int) -> HeadPlan:
+        """The head split for ``num_heads`` query and ``num_kv_heads`` kv heads (validated, cached)."""
+        key = (num_heads, num_kv_heads)
+        if key not in self._plans:
+            self._plans[key] = HeadPlan(num_heads, num_kv_heads, self.sp_size)
+        return self._plans[key]
+
+    def __call__(
+        self,
+        q_BNsH: torch.Tensor,
+        k_BKsH: torch.Tensor,
+        v_BKsH: torch.Tensor,
+        mask: GlobalMask | None = None,
+        *,
+        scaling: float | None = None,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
+        dropout: float = 0.0,
+    ) -> torch.Tensor:
+        """Attention of this rank's query tokens over the whole sequence.
+
+        Args:
+            q_BNsH: ``(B, N, s, H)`` queries of this rank's tokens ``[r*s, (r+1)*s)``.
+            k_BKsH, v_BKsH: ``(B, K, s, H)`` keys and ``(B, K, s, Hv)`` values of the same tokens.
+            mask: the GLOBAL mask (length ``S = s * P``); ``None`` means plain causal.
+            scaling, sliding_window, softcap, dropout: passed to the kernel unchanged.
+
+        Returns:
+            ``(B, s, N, Hv)``: attention output for this rank's tokens, all heads.
+        """
+        B, N, s, _ = q_BNsH.shape
+        plan = self.plan(N, k_BKsH.shape[1])
+        S = s * self.sp_size
+        if mask is None:
+            mask = GlobalMask(S)
+        if mask.seq_len != S:
+            raise ValueError(
+                f"the mask covers {mask.seq_len} tokens but {self.sp_size} shards of {s} make {S}. "
+                f"Every rank must hold S/P tokens: pad the batch to a multiple of sp_size with "
+                "ulysses_sp's batch sharding (it pads and ignores the padded labels)."
+            )
+        if not self._validated:
+            self._validate_across_ranks(q_BNsH, k_BKsH, v_BKsH)
+        q, k, v = seq_to_head_qkv(q_BNsH, k_BKsH, v_BKsH, plan, self.sp_group)
+        if plan.local_group_size(self.sp_rank) is None:
+            index = plan.local_kv_index(self.sp_rank).to(k.device)
+            k, v = k.index_select(1, index), v.index_select(1, index)
+        o_BSnH = self.kernel(q, k, v, mask, scaling=scaling, sliding_window=sliding_window, softcap=softcap, dropout=dropout)
+        return head_to_seq_out(o_BSnH, plan, self.sp_group)
+
+    def _validate_across_ranks(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        if q.dtype not in _DTYPE_CODES or not (q.dtype == k.dtype == v.dtype):
+            raise ValueError(f"q, k, v must share a float dtype, got {q.dtype}, {k.dtype}, {v.dtype}.")
+        if self.sp_size > 1:
+            sig = torch.tensor([*q.shape, *k.shape, v.shape[3], _DTYPE_CODES[q.dtype]], dtype=torch.long)
+            device = q.device if dist.get_backend(self.sp_group) == "nccl" else torch.device("cpu")
+            sig = sig.to(device)
+            table = [torch.empty_like(sig) for _ in range(self.sp_size)]
+            dist.all_gather(table, sig, group=self.sp_group)
+            rows = [tuple(t.tolist()) for t in table]
+            if len(set(rows)) != 1:
+                names = "(B, N, s, H, B, K, s, H, Hv, dtype)"
+                raise ValueError(
+                    f"ranks of the sequence-parallel group passed different attention inputs {names}: "
+                    f"{rows}. Every rank must hold an equal slice (S/P tokens) of the same batch, in "
+                    "the same dtype; shard batches with ulysses_sp's batch sharding."
+                )
+        self._validated = True

@@ -1,0 +1,55 @@
+"""Start ``world_size`` local processes with an initialised ``torch.distributed`` world.
+
+Used by the CLI on a single machine and by the tests; ``torchrun`` / ``accelerate launch`` do the
+same job on clusters, and everything else in the package only needs an initialised world.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    """A TCP port on localhost that is free right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(rank: int, fn: Callable, world_size: int, port: int, backend: str, timeout_s: float, args: tuple) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+    )
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(
+        backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s)
+    )
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(
+    fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo", timeout_s: float = 300.0
+) -> None:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes of one process group.
+
+    ``fn`` must be importable (a module-level function). An exception in any rank is re-raised
+    here with that rank's traceback; ``timeout_s`` bounds every collective, so a rank that stops
+    early turns into an error in the others instead of a hang.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}.")
+    mp.spawn(_worker, args=(fn, world_size, free_port(), backend, timeout_s, args), nprocs=world_size, join=True)

@@ -1,0 +1,89 @@
+"""Data-parallel x sequence-parallel process groups on an initialised ``torch.distributed`` world.
+
+    world ranks 0..7, sp_size=4            dp axis ->
+                                       sp  [0 1 2 3]   one SP group: contiguous ranks, same batch
+                                       |   [4 5 6 7]
+    mesh = DeviceMesh(["dp", "sp"], shape (world/sp, sp))
+
+Contiguous SP ranks keep the all-to-all inside a node whenever ``sp_size`` divides the GPUs per node.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+
+@dataclass(frozen=True)
+class SPMesh:
+    """The ``dp x sp`` device mesh and the handles the rest of the package needs.
+
+    Build it with :meth:`from_world` after ``torch.distributed`` is initialised (by ``torchrun``,
+    ``accelerate launch`` or :func:`ulysses_sp.comm.launch.spawn`).
+    """
+
+    device_mesh: DeviceMesh
+    sp_size: int
+    dp_size: int
+
+    @classmethod
+    def from_world(cls, sp_size: int, device_type: str | None = None) -> SPMesh:
+        """Split the initialised world into ``dp = world // sp_size`` groups of ``sp_size`` ranks.
+
+        Args:
+            sp_size: ranks that share one sequence (the Ulysses degree), ``1 <= sp_size <= world``.
+            device_type: ``"cuda"`` or ``"cpu"``; default: ``"cuda"`` for an NCCL world, else ``"cpu"``.
+        """
+        if not dist.is_available() or not dist.is_initialized():
+            raise ValueError(
+                "torch.distributed is not initialised: launch with torchrun / accelerate launch, or "
+                "call torch.distributed.init_process_group(...) before SPMesh.from_world()."
+            )
+        if not isinstance(sp_size, int) or isinstance(sp_size, bool) or sp_size < 1:
+            raise ValueError(f"sp_size must be a positive integer, got {sp_size!r}.")
+        world = dist.get_world_size()
+        if world % sp_size != 0:
+            raise ValueError(
+                f"world size {world} is not a multiple of sp_size {sp_size}: choose an sp_size that "
+                f"divides {world} (e.g. {_divisors(world)}) or launch {sp_size * max(1, world // sp_size)} "
+                "processes."
+            )
+        if device_type is None:
+            device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        mesh = init_device_mesh(device_type, (world // sp_size, sp_size), mesh_dim_names=("dp", "sp"))
+        return cls(device_mesh=mesh, sp_size=sp_size, dp_size=world // sp_size)
+
+    @property
+    def sp_group(self) -> ProcessGroup:
+        """The ranks sharing one sequence."""
+        return self.device_mesh.get_group("sp")
+
+    @property
+    def dp_group(self) -> ProcessGroup:
+        """The ranks at the same sequence position in different replicas (gradient reduction)."""
+        return self.device_mesh.get_group("dp")
+
+    @property
+    def sp_rank(self) -> int:
+        """This rank's shard index, 0..sp_size-1: it holds tokens ``[sp_rank*s, (sp_rank+1)*s)``."""
+        return self.device_mesh.get_local_rank("sp")
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel replica index (which batch it reads), 0..dp_size-1."""
+        return self.device_mesh.get_local_rank("dp")
+
+    @property
+    def device(self) -> torch.device:
+        """The device this rank computes on."""
+        if self.device_mesh.device_type == "cuda":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device(self.device_mesh.device_type)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
