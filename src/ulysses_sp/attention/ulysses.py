@@ -81,6 +81,8 @@ class UlyssesAttention:
         Returns:
             ``(B, s, N, Hv)``: attention output for this rank's tokens, all heads.
         """
+        if not self._validated:
+            self._validate_across_ranks(q_BNsH, k_BKsH, v_BKsH)
         B, N, s, _ = q_BNsH.shape
         plan = self.plan(N, k_BKsH.shape[1])
         S = s * self.sp_size
@@ -92,8 +94,6 @@ class UlyssesAttention:
                 f"Every rank must hold S/P tokens: pad the batch to a multiple of sp_size with "
                 "ulysses_sp's batch sharding (it pads and ignores the padded labels)."
             )
-        if not self._validated:
-            self._validate_across_ranks(q_BNsH, k_BKsH, v_BKsH)
         q, k, v = seq_to_head_qkv(q_BNsH, k_BKsH, v_BKsH, plan, self.sp_group)
         if plan.local_group_size(self.sp_rank) is None:
             index = plan.local_kv_index(self.sp_rank).to(k.device)
@@ -102,20 +102,27 @@ class UlyssesAttention:
         return head_to_seq_out(o_BSnH, plan, self.sp_group)
 
     def _validate_across_ranks(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        if q.dtype not in _DTYPE_CODES or not (q.dtype == k.dtype == v.dtype):
-            raise ValueError(f"q, k, v must share a float dtype, got {q.dtype}, {k.dtype}, {v.dtype}.")
+        codes = [_DTYPE_CODES.get(t.dtype, -1) for t in (q, k, v)]
+        sig = torch.tensor([*q.shape, *k.shape, v.shape[3], *codes], dtype=torch.long)
+        rows = [tuple(sig.tolist())]
         if self.sp_size > 1:
-            sig = torch.tensor([*q.shape, *k.shape, v.shape[3], _DTYPE_CODES[q.dtype]], dtype=torch.long)
             device = q.device if dist.get_backend(self.sp_group) == "nccl" else torch.device("cpu")
             sig = sig.to(device)
             table = [torch.empty_like(sig) for _ in range(self.sp_size)]
             dist.all_gather(table, sig, group=self.sp_group)
             rows = [tuple(t.tolist()) for t in table]
-            if len(set(rows)) != 1:
-                names = "(B, N, s, H, B, K, s, H, Hv, dtype)"
-                raise ValueError(
-                    f"ranks of the sequence-parallel group passed different attention inputs {names}: "
-                    f"{rows}. Every rank must hold an equal slice (S/P tokens) of the same batch, in "
-                    "the same dtype; shard batches with ulysses_sp's batch sharding."
-                )
+        if any(min(row[-3:]) < 0 or len(set(row[-3:])) != 1 for row in rows):
+            names = {code: str(dtype) for dtype, code in _DTYPE_CODES.items()}
+            raise ValueError(
+                "q, k and v must share one floating dtype on every rank, got "
+                f"{[[names.get(c, 'unsupported') for c in row[-3:]] for row in rows]} (per rank: q, k, v); "
+                "cast them, e.g. run the whole model under one dtype / autocast."
+            )
+        if len(set(rows)) != 1:
+            raise ValueError(
+                "ranks of the sequence-parallel group passed different attention inputs "
+                f"(B, N, s, H, B, K, s, H, Hv, dtypes) per rank: {rows}. Every rank must hold an equal "
+                "slice (S/P tokens) of the same batch in the same dtype; shard batches with "
+                "ulysses_sp.data.shard_batch (it pads S to a multiple of sp_size)."
+            )
         self._validated = True

@@ -1,0 +1,1 @@
+"""The ``ulysses-sp`` command line."""

@@ -1,0 +1,229 @@
+"""Cut one collated causal-LM batch into the contiguous sequence shard of one SP rank.
+
+Shape legend: B batch, S global sequence (padded to a multiple of P), s = S / P local shard,
+P sequence-parallel size, r this rank's SP index.
+
+Every rank of an SP group receives the SAME global batch and keeps tokens ``[r*s, (r+1)*s)``::
+
+    input_ids     a b c d e f g          S=7, P=2
+    labels        a b c d e f g
+    1. position_ids (if missing)         0 1 2 3 4 5 6
+    2. shift labels BEFORE slicing       b c d e f g -        (- = ignore_index)
+    3. pad S to a multiple of P          a b c d e f g 0      labels ... g - -, positions ... 6 7
+    4. global mask (once, whole S)       causal + documents (from positions) + padding
+    5. slice                             rank 0: a b c d -> b c d e    rank 1: e f g 0 -> f g - -
+
+Shifting before slicing keeps the target of a shard's last token (``e`` for rank 0), which lives on
+the next rank. Padding added in step 3 gets positions that continue the row's last document
+(``last+1, last+2, ...``); it is excluded from attention by the mask's ``valid`` and from the loss
+by ``ignore_index``, so its positions only need to be finite and not to start a spurious pattern.
+
+The mask is built from GLOBAL positions and handed to the attention layer as ``ulysses_mask``; the
+model never builds a mask of its own (no ``attention_mask`` is passed on).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, TypedDict
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed import ProcessGroup
+
+from ulysses_sp.attention.masks import GlobalMask
+
+if TYPE_CHECKING:
+    from ulysses_sp.comm.mesh import SPMesh
+
+_SEQ_KEYS = ("attention_mask", "labels", "position_ids")
+
+
+class ShardedBatch(TypedDict):
+    """What :func:`shard_batch` returns: a plain ``dict``, so ``model(**batch)`` works and
+    Trainer / Accelerate device moves keep it intact.
+
+    input_ids:     ``(B, s)`` this rank's tokens ``[r*s, (r+1)*s)`` of the padded sequence.
+    position_ids:  ``(B, s)`` their GLOBAL positions (RoPE is applied locally with them).
+    shift_labels:  ``(B, s)`` the target of each local token (the next global token), already
+                   shifted, ``ignore_index`` for padding and the last token of each row.
+    ulysses_mask:  the :class:`GlobalMask` of the whole padded ``(B, S)`` batch, equal on all
+                   ranks; ``ulysses_mask.seq_len`` is the padded global length S.
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    shift_labels: torch.Tensor
+    ulysses_mask: GlobalMask
+
+
+def shard_batch(
+    batch: Mapping[str, Any],
+    sp_rank: int,
+    sp_size: int,
+    *,
+    pad_token_id: int = 0,
+    ignore_index: int = -100,
+) -> ShardedBatch:
+    """This rank's shard of a global causal-LM batch (flow in the module docstring).
+
+    Args:
+        batch: ``input_ids`` ``(B, S)`` and optionally ``attention_mask`` ``(B, S)`` of 0/1,
+            ``labels`` ``(B, S)`` (default: ``input_ids`` with padding set to ``ignore_index``) and
+            ``position_ids`` ``(B, S)`` (packed batches: restarting at 0 for each document;
+            default: ``cumsum(attention_mask) - 1`` clamped at 0, or ``arange(S)``). Other keys
+            (e.g. flash-attention ``cu_seq_lens_*``) are dropped: the global mask replaces them.
+        sp_rank: this rank's index in its SP group, ``0 <= sp_rank < sp_size``.
+        sp_size: ranks sharing the sequence (P).
+        pad_token_id: token used to pad S up to a multiple of P.
+        ignore_index: label value the loss skips.
+
+    Labels are shifted exactly like transformers' ``ForCausalLMLoss`` (no extra masking at document
+    boundaries: packing collators mark document starts with ``ignore_index`` themselves), so the
+    sharded loss matches the single-process loss token for token.
+    """
+    input_ids, attention_mask, labels, position_ids = _validated(batch, sp_rank, sp_size)
+    B, S = input_ids.shape
+    if position_ids is None:
+        position_ids = _default_position_ids(input_ids, attention_mask)
+    if labels is None:
+        labels = input_ids if attention_mask is None else input_ids.masked_fill(attention_mask == 0, ignore_index)
+    shift_labels = F.pad(labels[:, 1:], (0, 1), value=ignore_index)
+
+    num_pad = -S % sp_size
+    valid = None if attention_mask is None else attention_mask.bool()
+    if num_pad:
+        input_ids = F.pad(input_ids, (0, num_pad), value=pad_token_id)
+        shift_labels = F.pad(shift_labels, (0, num_pad), value=ignore_index)
+        steps = torch.arange(1, num_pad + 1, device=position_ids.device, dtype=position_ids.dtype)
+        position_ids = torch.cat([position_ids, position_ids[:, -1:] + steps], dim=1)
+        if valid is None:
+            valid = torch.ones(B, S, dtype=torch.bool, device=input_ids.device)
+        valid = F.pad(valid, (0, num_pad), value=False)
+    mask = GlobalMask.from_position_ids(position_ids, valid_BS=valid, causal=True)
+
+    s = (S + num_pad) // sp_size
+    local = slice(sp_rank * s, (sp_rank + 1) * s)
+    return ShardedBatch(
+        input_ids=input_ids[:, local].contiguous(),
+        position_ids=position_ids[:, local].contiguous(),
+        shift_labels=shift_labels[:, local].contiguous(),
+        ulysses_mask=mask,
+    )
+
+
+def _default_position_ids(input_ids_BS: torch.Tensor, attention_mask_BS: torch.Tensor | None) -> torch.Tensor:
+    """``(B, S)`` positions: ``arange(S)``, or with padding ``cumsum(mask) - 1`` clamped at 0.
+
+    With left padding the real tokens then start at position 0; for relative (RoPE) models this is
+    the same attention as transformers' default ``arange(S)``, since padding keys are masked out.
+    """
+    B, S = input_ids_BS.shape
+    if attention_mask_BS is None:
+        return torch.arange(S, device=input_ids_BS.device).expand(B, S)
+    return (attention_mask_BS.long().cumsum(dim=1) - 1).clamp_min(0)
+
+
+def _check_sp(sp_rank: int, sp_size: int) -> None:
+    if not isinstance(sp_size, int) or isinstance(sp_size, bool) or sp_size < 1:
+        raise ValueError(f"sp_size must be a positive integer, got {sp_size!r}; use SPMesh.sp_size.")
+    if not isinstance(sp_rank, int) or isinstance(sp_rank, bool) or not 0 <= sp_rank < sp_size:
+        raise ValueError(f"sp_rank must be in [0, {sp_size}), got {sp_rank!r}; use SPMesh.sp_rank.")
+
+
+def _validated(
+    batch: Mapping[str, Any], sp_rank: int, sp_size: int
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    _check_sp(sp_rank, sp_size)
+    input_ids = batch.get("input_ids") if isinstance(batch, Mapping) else None
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[1] == 0:
+        shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+        raise ValueError(
+            f"batch['input_ids'] must be a non-empty (batch, seq) tensor, got {shape}; collate "
+            "sequences into a 2-D tensor (add a batch dim with input_ids[None] for one sequence)."
+        )
+    found = []
+    for key in _SEQ_KEYS:
+        t = batch.get(key)
+        if t is not None and (not isinstance(t, torch.Tensor) or t.shape != input_ids.shape):
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(
+                f"batch[{key!r}] must be a tensor of input_ids' shape {tuple(input_ids.shape)}, got {shape}; "
+                "pass 2-D (batch, seq) tensors from one collator (4-D attention masks are not "
+                "supported: give position_ids for packed documents instead)."
+            )
+        found.append(t)
+    return input_ids, *found  # type: ignore[return-value]
+
+
+def validate_same_batch(input_ids_BS: torch.Tensor, group: ProcessGroup | None) -> None:
+    """Raise ``ValueError`` on every rank unless all ranks of ``group`` hold the same global batch.
+
+    One ``all_gather`` of ``[B, S, checksum]`` (int64); the checksum weights each token by its
+    position, so reordered batches differ too. Call it with the GLOBAL ``input_ids`` (before
+    :func:`shard_batch`) and the SP group.
+    """
+    B, S = input_ids_BS.shape
+    flat = input_ids_BS.reshape(-1).long()
+    weights = torch.arange(flat.numel(), device=flat.device) % 1_000_003 + 1
+    sig = torch.stack([torch.tensor(B), torch.tensor(S), (flat * weights).sum().cpu()])
+    if dist.get_backend(group) == "nccl":
+        sig = sig.to(torch.device("cuda", torch.cuda.current_device()))
+    table = [torch.empty_like(sig) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(table, sig, group=group)
+    rows = [tuple(t.tolist()) for t in table]
+    if len(set(rows)) > 1:
+        raise ValueError(
+            "all ranks of an SP group must see the same batch, got (B, S, checksum) per rank "
+            f"{rows}; wrap the DataLoader with UlyssesDataLoader and give its sampler "
+            "dp_sampler_kwargs(mesh) (num_replicas=dp_size, rank=dp_rank, not the world rank)."
+        )
+
+
+def dp_sampler_kwargs(mesh: SPMesh) -> dict[str, int]:
+    """``DistributedSampler(dataset, **dp_sampler_kwargs(mesh))``: shard data by DP replica.
+
+    The ranks of one SP group must read the same batches, so the sampler splits the dataset over
+    ``dp_size`` replicas (``rank=dp_rank``), not over the world.
+    """
+    return {"num_replicas": mesh.dp_size, "rank": mesh.dp_rank}
+
+
+class UlyssesDataLoader:
+    """Iterate a DataLoader of global batches, yielding this rank's :func:`shard_batch` of each.
+
+    Args:
+        dataloader: any iterable of collated batches (dicts with ``input_ids`` ...); it must yield
+            the same batches on all ranks of an SP group (see :func:`dp_sampler_kwargs`).
+        sp_rank, sp_size: this rank's SP index and the SP size.
+        sp_group: if given, every batch is checked with :func:`validate_same_batch` (one tiny
+            all-gather per step).
+        **shard_kwargs: ``pad_token_id``, ``ignore_index`` for :func:`shard_batch`.
+    """
+
+    def __init__(
+        self,
+        dataloader: Iterable[Mapping[str, Any]],
+        sp_rank: int,
+        sp_size: int,
+        *,
+        sp_group: ProcessGroup | None = None,
+        **shard_kwargs: Any,
+    ) -> None:
+        _check_sp(sp_rank, sp_size)
+        self.dataloader = dataloader
+        self.sp_rank = sp_rank
+        self.sp_size = sp_size
+        self.sp_group = sp_group
+        self.shard_kwargs = shard_kwargs
+
+    def __len__(self) -> int:
+        """Batches per epoch, as the wrapped loader (``TypeError`` if it has no length)."""
+        return len(self.dataloader)  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[ShardedBatch]:
+        for batch in self.dataloader:
+            if self.sp_group is not None:
+                validate_same_batch(batch["input_ids"], self.sp_group)
+            yield shard_batch(batch, self.sp_rank, self.sp_size, **self.shard_kwargs)

@@ -1,0 +1,13 @@
+"""Loss aggregation for sharded sequences.
+
+Main entry points:
+    global_num_items(shift_labels, group)   valid tokens of the whole step (one all-reduce)
+    sp_token_loss(logits, shift_labels, num_items_in_batch, grad_average_world=W)
+                                            this rank's loss; the DP gradient average of it is the
+                                            exact global token-mean gradient
+    reported_loss(loss, W, group)           the global token-mean loss value for logging
+"""
+
+from ulysses_sp.loss.cross_entropy import global_num_items, reported_loss, sp_token_loss
+
+__all__ = ["global_num_items", "reported_loss", "sp_token_loss"]
