@@ -58,12 +58,13 @@ def test_no_padding_needed_keeps_plain_causal_mask() -> None:
 
 
 def test_position_ids_and_labels_from_attention_mask() -> None:
-    """Bug caught: missing position_ids (HF cumsum convention) or padding tokens left as targets."""
+    """Bug caught: default positions that differ from transformers' arange(S) (a sharded run would
+    then rotate padded rows differently from one process) or padding tokens left as targets."""
     ids = torch.tensor([[5, 6, 7, 8, 0, 0], [0, 0, 5, 6, 7, 8]])
     am = torch.tensor([[1, 1, 1, 1, 0, 0], [0, 0, 1, 1, 1, 1]])
     shards = _shards({"input_ids": ids, "attention_mask": am}, 2)
-    assert torch.equal(_cat(shards, "position_ids"), torch.tensor([[0, 1, 2, 3, 3, 3], [0, 0, 0, 1, 2, 3]]))
-    shift = torch.tensor([[6, 7, 8, IGNORE, IGNORE, IGNORE], [IGNORE, 5, 6, 7, 8, IGNORE]])
+    assert torch.equal(_cat(shards, "position_ids"), torch.arange(6).expand(2, 6))
+    shift = torch.tensor([[6, 7, 8, IGNORE, IGNORE, IGNORE], [IGNORE, IGNORE, 6, 7, 8, IGNORE]])  # 5 is predicted from padding
     assert torch.equal(_cat(shards, "shift_labels"), shift)
     assert torch.equal(shards[1]["ulysses_mask"].valid, am.bool())
 

@@ -72,7 +72,7 @@ def shard_batch(
         batch: ``input_ids`` ``(B, S)`` and optionally ``attention_mask`` ``(B, S)`` of 0/1,
             ``labels`` ``(B, S)`` (default: ``input_ids`` with padding set to ``ignore_index``) and
             ``position_ids`` ``(B, S)`` (packed batches: restarting at 0 for each document;
-            default: ``cumsum(attention_mask) - 1`` clamped at 0, or ``arange(S)``). Other keys
+            default: ``arange(S)`` per row, as transformers does). Other keys
             (e.g. flash-attention ``cu_seq_lens_*``) are dropped: the global mask replaces them.
         sp_rank: this rank's index in its SP group, ``0 <= sp_rank < sp_size``.
         sp_size: ranks sharing the sequence (P).
@@ -80,8 +80,9 @@ def shard_batch(
         ignore_index: label value the loss skips.
 
     Labels are shifted exactly like transformers' ``ForCausalLMLoss`` (no extra masking at document
-    boundaries: packing collators mark document starts with ``ignore_index`` themselves), so the
-    sharded loss matches the single-process loss token for token.
+    boundaries: packing collators mark document starts with ``ignore_index`` themselves), except
+    that a target predicted FROM a padding position is ignored (with left padding transformers
+    counts the first real token predicted from padding, a value that depends on the kernel).
     """
     input_ids, attention_mask, labels, position_ids = _validated(batch, sp_rank, sp_size)
     B, S = input_ids.shape
@@ -90,6 +91,10 @@ def shard_batch(
     if labels is None:
         labels = input_ids if attention_mask is None else input_ids.masked_fill(attention_mask == 0, ignore_index)
     shift_labels = F.pad(labels[:, 1:], (0, 1), value=ignore_index)
+    if attention_mask is not None:
+        # a padding position predicting the next token (left padding: the first real token) has
+        # no defined context; transformers counts it with a kernel-dependent value, we ignore it
+        shift_labels = shift_labels.masked_fill(attention_mask == 0, ignore_index)
 
     num_pad = -S % sp_size
     valid = None if attention_mask is None else attention_mask.bool()
@@ -114,15 +119,10 @@ def shard_batch(
 
 
 def _default_position_ids(input_ids_BS: torch.Tensor, attention_mask_BS: torch.Tensor | None) -> torch.Tensor:
-    """``(B, S)`` positions: ``arange(S)``, or with padding ``cumsum(mask) - 1`` clamped at 0.
-
-    With left padding the real tokens then start at position 0; for relative (RoPE) models this is
-    the same attention as transformers' default ``arange(S)``, since padding keys are masked out.
-    """
+    """``(B, S)`` positions ``arange(S)``: what transformers uses when a batch has none (padding
+    tokens included), so a sharded run sees the same rotary / absolute positions as one process."""
     B, S = input_ids_BS.shape
-    if attention_mask_BS is None:
-        return torch.arange(S, device=input_ids_BS.device).expand(B, S)
-    return (attention_mask_BS.long().cumsum(dim=1) - 1).clamp_min(0)
+    return torch.arange(S, device=input_ids_BS.device).expand(B, S)
 
 
 def _check_sp(sp_rank: int, sp_size: int) -> None:

@@ -1,0 +1,1 @@
+"""Adapters to Transformers, Accelerate, the Trainer, TRL and DeepSpeed (the only modules importing them)."""

@@ -1,0 +1,209 @@
+"""Make a Transformers model sequence-parallel through the public ``AttentionInterface``.
+
+    sp = UlyssesSP(model, mesh)          # validates the model, picks its core kernel
+    with sp:                             # register(): our key in AttentionInterface, model uses it
+        batch = sp.shard(global_batch)   # input_ids/position_ids/shift_labels of my shard + global mask
+        logits = model(**sp.model_inputs(batch)).logits          # (B, s, V)
+        loss = sp.loss(logits, batch, num_items_in_batch)        # my share of the global token mean
+                                         # unregister(): model back to its own kernel
+
+Nothing of the model is edited and no private transformers function is patched: the model's
+attention layers call ``ALL_ATTENTION_FUNCTIONS[config._attn_implementation]``, which now is our
+key; the global mask travels as the ``ulysses_mask`` keyword that transformers forwards from
+``model(...)`` to every attention function. Masks are never built by the model (no
+``attention_mask`` is passed), so no per-layer or per-rank S x S mask exists.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from transformers import AttentionInterface, PreTrainedModel
+
+from ulysses_sp.attention import GlobalMask, UlyssesAttention
+from ulysses_sp.attention.kernels import KERNELS
+from ulysses_sp.comm.mesh import SPMesh
+from ulysses_sp.data import ShardedBatch, shard_batch
+from ulysses_sp.loss import sp_token_loss
+
+_KEY_PREFIX = "ulysses_sp"
+_counter = itertools.count()
+_SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention"}
+
+
+def _base_model(model: torch.nn.Module) -> PreTrainedModel:
+    """The ``PreTrainedModel`` inside PEFT / DDP / FSDP / DeepSpeed wrappers."""
+    seen = model
+    for _ in range(6):
+        if isinstance(seen, PreTrainedModel):
+            return seen
+        if hasattr(seen, "get_base_model"):
+            seen = seen.get_base_model()
+        elif hasattr(seen, "module"):
+            seen = seen.module
+        else:
+            break
+    raise ValueError(
+        f"{type(model).__name__} is not a transformers PreTrainedModel (nor a PEFT / DDP / DeepSpeed "
+        "wrapper of one); UlyssesSP needs a Hugging Face causal LM."
+    )
+
+
+def unsupported_reasons(model: PreTrainedModel, sp_size: int, kernel: str) -> list[str]:
+    """Why ``model`` cannot run under Ulysses SP with ``kernel`` (empty list: it can)."""
+    config = model.config.get_text_config()
+    reasons = []
+    if getattr(model.config, "is_encoder_decoder", False):
+        reasons.append("encoder-decoder models are not supported; Ulysses SP here shards decoder-only causal LMs")
+    if not model._can_set_attn_implementation():
+        reasons.append(
+            f"{type(model).__name__} does not dispatch attention through transformers' AttentionInterface, so its "
+            "attention cannot be wrapped"
+        )
+    N = getattr(config, "num_attention_heads", None)
+    K = getattr(config, "num_key_value_heads", None) or N
+    if N is None:
+        reasons.append("the config has no num_attention_heads")
+    elif sp_size > N:
+        reasons.append(f"sp_size {sp_size} > num_attention_heads {N}: use sp_size <= {N} and data parallelism for the rest")
+    elif N % K:
+        reasons.append(f"num_attention_heads {N} is not a multiple of num_key_value_heads {K}")
+    layer_types = set(getattr(config, "layer_types", None) or [])
+    if layer_types - _SUPPORTED_LAYER_TYPES:
+        reasons.append(
+            f"layer types {sorted(layer_types - _SUPPORTED_LAYER_TYPES)} (linear / recurrent / hybrid layers) mix "
+            "tokens outside attention and would see only their shard"
+        )
+    if "chunked_attention" in layer_types:
+        reasons.append("chunked attention (Llama 4 style) needs a chunk mask the Ulysses kernels do not build")
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if isinstance(rope, Mapping) and "mrope_section" in rope:
+        reasons.append("multimodal rotary embeddings (MRoPE, 3-D position_ids) are not supported")
+    if getattr(config, "alibi", False) or getattr(config, "position_embedding_type", None) == "alibi":
+        reasons.append("ALiBi position bias is not passed to attention functions and cannot be sharded")
+    if any(getattr(m, "sinks", None) is not None for m in model.modules()):
+        reasons.append("attention sinks (learned per-head logits) are not supported by the Ulysses kernels")
+    if kernel == "sdpa" and getattr(config, "attn_logit_softcapping", None):
+        reasons.append(
+            "the model uses attention logit softcapping, which SDPA cannot apply: load it with "
+            "attn_implementation='eager' (or flash_attention_2 / flex_attention on GPU)"
+        )
+    return reasons
+
+
+class UlyssesSP:
+    """Sequence parallelism for one Transformers model, scoped to that model.
+
+    Args:
+        model: a causal LM (``PreTrainedModel``, optionally wrapped by PEFT / DDP / FSDP / DeepSpeed).
+        mesh: the ``dp x sp`` mesh (``SPMesh.from_world(sp_size)``).
+        attn_implementation: the core kernel to run on the full sequence; default: the model's own
+            (``sdpa``, ``eager``, ``flex_attention``, ``flash_attention_2`` or ``flash_attention_3``).
+
+    Raises:
+        ValueError: at construction, naming every reason the model cannot be made sequence-parallel.
+    """
+
+    def __init__(self, model: torch.nn.Module, mesh: SPMesh, attn_implementation: str | None = None) -> None:
+        self.model = model
+        self.base = _base_model(model)
+        self.mesh = mesh
+        current = self.base.config._attn_implementation
+        if attn_implementation is None and current is not None and current.startswith(_KEY_PREFIX):
+            raise ValueError("this model is already registered with another UlyssesSP; unregister that one first.")
+        kernel = attn_implementation or current or "sdpa"
+        if kernel not in KERNELS:
+            raise ValueError(f"attention implementation {kernel!r} cannot run under Ulysses SP; use one of {sorted(KERNELS)}.")
+        reasons = unsupported_reasons(self.base, mesh.sp_size, kernel)
+        if reasons:
+            raise ValueError(f"{type(self.base).__name__} cannot be made sequence-parallel: " + "; ".join(reasons) + ".")
+        self.kernel = kernel
+        self.attention = UlyssesAttention(mesh.sp_group if mesh.sp_size > 1 else None, kernel)
+        self.key = f"{_KEY_PREFIX}_{next(_counter)}_{kernel}"
+        self._saved: tuple[str, bool] | None = None
+
+    # registration -------------------------------------------------------------------------
+    def register(self) -> UlyssesSP:
+        """Route the model's attention through Ulysses (idempotent). Sets ``use_cache=False``."""
+        if self._saved is not None:
+            return self
+        AttentionInterface.register(self.key, self._attention_forward)
+        config = self.base.config
+        self._saved = (config._attn_implementation, config.use_cache)
+        self.base.set_attn_implementation(self.key)
+        config.use_cache = False
+        return self
+
+    def unregister(self) -> None:
+        """Restore the model's own kernel and remove our key from the registry."""
+        if self._saved is None:
+            return
+        implementation, use_cache = self._saved
+        self.base.set_attn_implementation(implementation)
+        self.base.config.use_cache = use_cache
+        AttentionInterface._global_mapping.pop(self.key, None)
+        self._saved = None
+
+    def __enter__(self) -> UlyssesSP:
+        return self.register()
+
+    def __exit__(self, *exc: object) -> None:
+        self.unregister()
+
+    def _attention_forward(
+        self,
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        dropout: float = 0.0,
+        scaling: float | None = None,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
+        ulysses_mask: GlobalMask | None = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:
+        """The ``AttentionInterface`` contract: q ``(B,N,s,H)``, k/v ``(B,K,s,H)`` -> ``(B,s,N,H)``."""
+        if key.shape[2] != query.shape[2]:
+            raise ValueError(
+                "keys are longer than queries (a KV cache?): generation is not supported under Ulysses SP; "
+                "call sp.unregister() before generate(), or pass use_cache=False."
+            )
+        if ulysses_mask is None:
+            if self.mesh.sp_size > 1 or attention_mask is not None:
+                raise ValueError(
+                    "the model was called without `ulysses_mask`: feed batches through UlyssesSP.shard(batch) "
+                    "(or UlyssesDataLoader) and call model(**sp.model_inputs(batch))."
+                )
+            ulysses_mask = GlobalMask(query.shape[2], causal=getattr(module, "is_causal", True))
+        out = self.attention(
+            query, key, value, ulysses_mask, scaling=scaling, sliding_window=sliding_window, softcap=softcap, dropout=dropout
+        )
+        return out, None
+
+    # batches and loss ---------------------------------------------------------------------
+    def shard(self, batch: Mapping[str, Any], ignore_index: int = -100) -> ShardedBatch:
+        """This rank's shard of a global batch (see ``ulysses_sp.data.shard_batch``)."""
+        pad = getattr(self.base.config.get_text_config(), "pad_token_id", None)
+        return shard_batch(batch, self.mesh.sp_rank, self.mesh.sp_size, pad_token_id=pad or 0, ignore_index=ignore_index)
+
+    @staticmethod
+    def model_inputs(batch: Mapping[str, Any]) -> dict[str, Any]:
+        """The keyword arguments for ``model(...)``: tokens, global positions and the global mask."""
+        return {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], "ulysses_mask": batch["ulysses_mask"]}
+
+    def loss(
+        self, logits_BsV: torch.Tensor, batch: Mapping[str, Any], num_items_in_batch: int | torch.Tensor,
+        grad_average_world: int | None = None,
+    ) -> torch.Tensor:
+        """My share of the global token-mean cross entropy (``ulysses_sp.loss.sp_token_loss``).
+
+        ``grad_average_world`` defaults to the world size (DDP / FSDP average gradients over all
+        ``dp * sp`` ranks).
+        """
+        world = grad_average_world if grad_average_world is not None else self.mesh.dp_size * self.mesh.sp_size
+        return sp_token_loss(logits_BsV, batch["shift_labels"], num_items_in_batch, grad_average_world=world)

@@ -1,0 +1,68 @@
+"""Tiny random Transformers causal LMs built in code (no downloads), one per supported family."""
+
+import torch
+import transformers as tf
+
+COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, max_position_embeddings=256,
+              pad_token_id=0, tie_word_embeddings=False)
+
+
+def tiny_config(family: str):
+    """(config, attn_implementation) for a family name."""
+    if family == "llama":
+        return tf.LlamaConfig(**COMMON, num_attention_heads=8, num_key_value_heads=2), "sdpa"
+    if family == "llama_mha_eager":
+        return tf.LlamaConfig(**COMMON, num_attention_heads=8, num_key_value_heads=8), "eager"
+    if family == "llama_k1":  # GQA with K=1 < P
+        return tf.LlamaConfig(**COMMON, num_attention_heads=8, num_key_value_heads=1), "sdpa"
+    if family == "mistral":  # sliding window shorter than the sequence
+        return tf.MistralConfig(**COMMON, num_attention_heads=8, num_key_value_heads=2, sliding_window=7), "sdpa"
+    if family == "qwen2":  # q/k/v bias
+        return tf.Qwen2Config(**COMMON, num_attention_heads=8, num_key_value_heads=2), "sdpa"
+    if family == "qwen3":  # q/k RMSNorm, head_dim decoupled from hidden
+        return tf.Qwen3Config(**COMMON, num_attention_heads=6, num_key_value_heads=2, head_dim=16), "sdpa"
+    if family == "gemma2":  # logit softcapping, alternating sliding window, query_pre_attn_scalar
+        return tf.Gemma2Config(**COMMON, num_attention_heads=8, num_key_value_heads=4, head_dim=16, sliding_window=6,
+                               attn_logit_softcapping=3.0, final_logit_softcapping=5.0, query_pre_attn_scalar=16), "eager"
+    if family == "gemma3":
+        cfg = tf.Gemma3TextConfig(**COMMON, num_attention_heads=4, num_key_value_heads=1, head_dim=16, sliding_window=6,
+                                  query_pre_attn_scalar=16)
+        return cfg, "sdpa"
+    if family == "phi3":  # fused qkv projection
+        return tf.Phi3Config(**COMMON, num_attention_heads=8, num_key_value_heads=4), "sdpa"
+    raise KeyError(family)
+
+
+def tiny_model(family: str, seed: int = 0):
+    config, attn = tiny_config(family)
+    torch.manual_seed(seed)
+    model = tf.AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float32)
+    with torch.no_grad():  # larger than the default init so attention patterns matter
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.2)
+    return model
+
+
+def tiny_batch(kind: str, seed: int = 1) -> dict:
+    """Global batches: 'plain' (B=2, S=24), 'padding' (B=2, S=23, right and left padding),
+    'packed' (B=1, S=23 with three documents in position_ids), 'odd' (B=1, S=21)."""
+    gen = torch.Generator().manual_seed(seed)
+    if kind == "plain":
+        return {"input_ids": torch.randint(1, 128, (2, 24), generator=gen)}
+    if kind == "odd":
+        return {"input_ids": torch.randint(1, 128, (1, 21), generator=gen)}
+    if kind == "padding":
+        ids = torch.randint(1, 128, (2, 23), generator=gen)
+        am = torch.ones(2, 23, dtype=torch.long)
+        am[0, 18:] = 0
+        am[1, :3] = 0
+        ids[am == 0] = 0
+        labels = ids.masked_fill(am == 0, -100)
+        labels[1, 3] = -100  # predicted from a padding position: undefined (kernel-dependent) in transformers
+        return {"input_ids": ids, "attention_mask": am, "labels": labels}
+    if kind == "packed":
+        ids = torch.randint(1, 128, (1, 23), generator=gen)
+        pos = torch.cat([torch.arange(9), torch.arange(5), torch.arange(9)])[None]
+        return {"input_ids": ids, "position_ids": pos}
+    raise KeyError(kind)
