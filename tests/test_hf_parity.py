@@ -1,0 +1,119 @@
+"""Transformers causal LMs under Ulysses SP against one process on the full batch.
+
+Reference: plain transformers (its own kernel) on the global batch, loss = mean token CE (what
+``model(..., labels=...)`` returns). Packed batches: transformers' sdpa/eager ignore document
+boundaries in ``position_ids``, so the reference runs each document on its own and concatenates
+the logits (the flash-attention varlen semantics). SP: ``UlyssesSP`` registration, sharded batch,
+``sp.loss``; parameter gradients averaged over the SP group as DDP would.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from tiny_models import tiny_batch, tiny_model
+from ulysses_sp import SPMesh
+from ulysses_sp.comm.launch import spawn
+from ulysses_sp.integrations.transformers import UlyssesSP
+from ulysses_sp.loss import global_num_items, reported_loss
+
+
+def reference(family, kind, checkpointing=False):
+    model = tiny_model(family)
+    if checkpointing:
+        model.gradient_checkpointing_enable()
+        model.train()
+    batch = tiny_batch(kind)
+    labels = batch.get("labels", batch["input_ids"])
+    if kind == "packed":
+        pos = batch["position_ids"][0]
+        starts = (pos == 0).nonzero().flatten().tolist() + [pos.numel()]
+        logits = torch.cat([model(input_ids=batch["input_ids"][:, a:e]).logits for a, e in zip(starts[:-1], starts[1:])], 1)
+        loss = F.cross_entropy(logits[0, :-1], labels[0, 1:])
+    else:
+        loss = model(**{k: v for k, v in batch.items() if k != "labels"}, labels=labels).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def sp_run(family, kind, mesh, checkpointing=False):
+    model = tiny_model(family)
+    if checkpointing:
+        model.gradient_checkpointing_enable()
+        model.train()
+    with UlyssesSP(model, mesh) as sp:
+        shard = sp.shard(tiny_batch(kind))
+        logits = model(**sp.model_inputs(shard)).logits
+        loss = sp.loss(logits, shard, global_num_items(shard["shift_labels"], mesh.sp_group))
+        loss.backward()
+    assert model.config._attn_implementation == tiny_model(family).config._attn_implementation  # unregistered
+    grads = {}
+    for name, p in model.named_parameters():
+        dist.all_reduce(p.grad, group=mesh.sp_group)
+        grads[name] = p.grad / mesh.sp_size  # DDP averages over ranks
+    return reported_loss(loss.detach(), mesh.sp_size, mesh.sp_group), grads
+
+
+def check(family, kind, mesh, checkpointing=False):
+    ref_loss, ref_grads = reference(family, kind, checkpointing)
+    loss, grads = sp_run(family, kind, mesh, checkpointing)
+    where = f"{family}/{kind}/P={mesh.sp_size}"
+    # fp32: only summation order differs (shard-wise weight-grad sums, per-document or GQA kernels);
+    # observed <= 2e-6 relative. 1e-5 / 1e-4 leave margin; a wrong mask or shard gives >1e-2.
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5, msg=lambda m: f"{where} loss: {m}")
+    for name, ref in ref_grads.items():
+        scale = ref.abs().max().clamp_min(1e-8)
+        torch.testing.assert_close(grads[name] / scale, ref / scale, rtol=0, atol=1e-4,
+                                   msg=lambda m, name=name: f"{where} grad {name}: {m}")
+
+
+FAMILIES = ["llama", "llama_k1", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "llama_mha_eager"]
+PLAN = {
+    1: [(f, k) for f in ("llama", "gemma2") for k in ("padding", "packed")],
+    2: [(f, k) for f in FAMILIES for k in ("padding", "packed", "odd")],
+    3: [(f, k) for f in ("llama", "qwen3", "mistral") for k in ("padding", "packed")],
+    4: [(f, "packed") for f in FAMILIES] + [("gemma2", "padding"), ("llama_k1", "odd")],
+}
+
+
+def _worker(rank, world):
+    mesh = SPMesh.from_world(world)
+    for family, kind in PLAN[world]:
+        check(family, kind, mesh)
+    if world == 2:
+        check("llama", "padding", mesh, checkpointing=True)
+        model = tiny_model("llama")
+        with UlyssesSP(model, mesh):  # a raw batch must not silently attend within the shard only
+            with pytest.raises(ValueError, match="without `ulysses_mask`"):
+                model(input_ids=torch.ones(1, 8, dtype=torch.long))
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_loss_and_every_gradient_match_one_process(world):
+    """Catches any model family whose attention arguments (sliding window, softcap, scaling, q/k
+    norm, fused qkv, GQA with K < P) or batch handling (padding, packed documents, S % P != 0,
+    shift at shard boundaries) differ under SP from one process; P=1 must equal plain transformers.
+    P=2 also covers gradient checkpointing and the error for a batch without the global mask."""
+    spawn(_worker, world)
+
+
+def test_unsupported_models_are_refused_at_registration():
+    """Catches silently wrong training of models whose token mixing Ulysses cannot shard."""
+    import transformers as tf
+
+    class FakeMesh:
+        sp_size, dp_size, sp_rank, sp_group = 2, 1, 0, None
+
+    with pytest.raises(ValueError, match="softcapping.*attn_implementation='eager'"):
+        UlyssesSP(tiny_model("gemma2"), FakeMesh(), attn_implementation="sdpa")
+    cfg = tf.Qwen3NextConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, head_dim=8, linear_num_key_heads=2, linear_num_value_heads=2,
+                             linear_key_head_dim=8, linear_value_head_dim=8, num_experts=2, num_experts_per_tok=1,
+                             moe_intermediate_size=16, shared_expert_intermediate_size=16,
+                             layer_types=["linear_attention", "full_attention"])
+    with pytest.raises(ValueError, match="linear / recurrent / hybrid"):
+        UlyssesSP(tf.AutoModelForCausalLM.from_config(cfg), FakeMesh())
+    FakeMesh.sp_size = 16
+    with pytest.raises(ValueError, match="sp_size 16 > num_attention_heads 8"):
+        UlyssesSP(tiny_model("llama"), FakeMesh())
