@@ -68,6 +68,22 @@ def check(family, kind, mesh, checkpointing=False):
                                    msg=lambda m, name=name: f"{where} grad {name}: {m}")
 
 
+def check_eval(family, kind, mesh):
+    """Eval mode under SP: each rank computes logits for its shard only, loss equals one process."""
+    with torch.no_grad():
+        model = tiny_model(family).eval()
+        batch = tiny_batch(kind)
+        ref_logits = torch.cat([model(input_ids=batch["input_ids"][:, a:e]).logits for a, e in ((0, 9), (9, 14), (14, 23))], 1)
+        ref_loss = F.cross_entropy(ref_logits[0, :-1], batch["input_ids"][0, 1:])
+        with UlyssesSP(model, mesh) as sp:
+            shard = sp.shard(batch)
+            logits = model(**sp.model_inputs(shard)).logits
+            loss = sp.loss(logits, shard, global_num_items(shard["shift_labels"], mesh.sp_group))
+        assert logits.shape[1] == shard["ulysses_mask"].seq_len // mesh.sp_size  # never the full length
+        # fp32, summation order only (see check())
+        torch.testing.assert_close(reported_loss(loss, mesh.sp_size, mesh.sp_group), ref_loss, rtol=1e-5, atol=1e-5)
+
+
 FAMILIES = ["llama", "llama_k1", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "llama_mha_eager"]
 PLAN = {
     1: [(f, k) for f in ("llama", "gemma2") for k in ("padding", "packed")],
@@ -83,6 +99,7 @@ def _worker(rank, world):
         check(family, kind, mesh)
     if world == 2:
         check("llama", "padding", mesh, checkpointing=True)
+        check_eval("qwen2", "packed", mesh)
         model = tiny_model("llama")
         with UlyssesSP(model, mesh):  # a raw batch must not silently attend within the shard only
             with pytest.raises(ValueError, match="without `ulysses_mask`"):
