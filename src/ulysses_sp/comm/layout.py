@@ -88,17 +88,22 @@ class HeadPlan:
         (qa, qb), (ka, _) = self.q_ranges[rank], self.kv_ranges[rank]
         return torch.arange(qa, qb) // self.group_size - ka
 
+    @cached_property
+    def _local_group_sizes(self) -> tuple[int | None, ...]:
+        sizes = []
+        for rank in range(self.sp_size):
+            n, k = self.num_local_heads(rank)
+            uniform = n % k == 0 and torch.equal(self.local_kv_index(rank), torch.arange(n) // (n // k))
+            sizes.append(n // k if uniform else None)
+        return tuple(sizes)
+
     def local_group_size(self, rank: int) -> int | None:
         """``n / k`` when local query head i reads local kv head ``i // (n/k)``, else ``None``.
 
         ``None`` means the local grouping is irregular (e.g. q heads 2..4 with g=3 read kv0 once
         and kv1 twice); the caller then expands k/v to one head per query head locally.
         """
-        n, k = self.num_local_heads(rank)
-        if n % k:
-            return None
-        expected = torch.arange(n) // (n // k)
-        return n // k if torch.equal(self.local_kv_index(rank), expected) else None
+        return self._local_group_sizes[rank]
 
     def qkv_numels(self, rank: int, B: int, s: int, H: int, Hv: int) -> int:
         """Elements of the q|k|v chunk that any sender sends to ``rank`` (s tokens)."""
