@@ -84,6 +84,30 @@ def check_eval(family, kind, mesh):
         torch.testing.assert_close(reported_loss(loss, mesh.sp_size, mesh.sp_group), ref_loss, rtol=1e-5, atol=1e-5)
 
 
+def check_lora(family, kind, mesh):
+    """A PEFT LoRA-wrapped model registers through its wrapper; LoRA grads equal one process."""
+    from peft import LoraConfig, get_peft_model
+
+    def lora_model():
+        torch.manual_seed(5)
+        return get_peft_model(tiny_model(family), LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+
+    ref = lora_model()
+    batch = tiny_batch(kind)
+    ref(**{k: v for k, v in batch.items() if k != "labels"}, labels=batch["labels"]).loss.backward()
+    model = lora_model()
+    with UlyssesSP(model, mesh) as sp:
+        shard = sp.shard(batch)
+        loss = sp.loss(model(**sp.model_inputs(shard)).logits, shard, global_num_items(shard["shift_labels"], mesh.sp_group))
+        loss.backward()
+    for (name, p), (_, r) in zip(model.named_parameters(), ref.named_parameters()):
+        if p.requires_grad:
+            dist.all_reduce(p.grad, group=mesh.sp_group)
+            scale = r.grad.abs().max()
+            # fp32, summation order only (see check())
+            torch.testing.assert_close(p.grad / mesh.sp_size / scale, r.grad / scale, rtol=0, atol=1e-4)
+
+
 FAMILIES = ["llama", "llama_k1", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "llama_mha_eager"]
 PLAN = {
     1: [(f, k) for f in ("llama", "gemma2") for k in ("padding", "packed")],
@@ -100,6 +124,7 @@ def _worker(rank, world):
     if world == 2:
         check("llama", "padding", mesh, checkpointing=True)
         check_eval("qwen2", "packed", mesh)
+        check_lora("llama", "padding", mesh)
         model = tiny_model("llama")
         with UlyssesSP(model, mesh):  # a raw batch must not silently attend within the shard only
             with pytest.raises(ValueError, match="without `ulysses_mask`"):
