@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from ulysses_sp import GlobalMask, SPMesh, UlyssesAttention
-from ulysses_sp.comm.launch import spawn
+from dist_helper import spawn
 
 B, S, D, H = 2, 12, 16, 8
 HEADS = {1: [(8, 8), (8, 2), (8, 1)], 2: [(8, 8), (8, 2), (8, 1)], 3: [(12, 4), (8, 2), (8, 1), (3, 1)],

@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 from ulysses_sp import GlobalMask, SPMesh, UlyssesAttention
-from ulysses_sp.comm.launch import spawn
+from dist_helper import spawn
 
 
 class CollectiveLog:

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from tiny_models import tiny_batch, tiny_model
 from ulysses_sp import SPMesh
-from ulysses_sp.comm.launch import spawn
+from dist_helper import spawn
 from ulysses_sp.integrations.transformers import UlyssesSP
 from ulysses_sp.loss import global_num_items, reported_loss
 

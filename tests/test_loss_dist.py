@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ulysses_sp.comm.launch import spawn
+from dist_helper import spawn
 from ulysses_sp.comm.mesh import SPMesh
 from ulysses_sp.data import UlyssesDataLoader, shard_batch, validate_same_batch
 from ulysses_sp.loss import global_num_items, reported_loss, sp_token_loss

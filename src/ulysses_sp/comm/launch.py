@@ -9,7 +9,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -42,14 +42,29 @@ def _worker(rank: int, fn: Callable, world_size: int, port: int, backend: str, t
 
 
 def spawn(
-    fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo", timeout_s: float = 300.0
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    backend: str = "gloo",
+    timeout_s: float = 300.0,
+    preload: Sequence[str] = (),
 ) -> None:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes of one process group.
 
     ``fn`` must be importable (a module-level function). An exception in any rank is re-raised
     here with that rank's traceback; ``timeout_s`` bounds every collective, so a rank that stops
-    early turns into an error in the others instead of a hang.
+    early turns into an error in the others instead of a hang. ``preload`` names modules the
+    fork server imports once (e.g. ``"transformers.modeling_utils"``); it takes effect when the
+    server first starts in this process.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}.")
-    mp.spawn(_worker, args=(fn, world_size, free_port(), backend, timeout_s, args), nprocs=world_size, join=True)
+    # forkserver: one server process imports torch once and forks every worker from it, so repeated
+    # launches (the tests, the CLI) do not pay the import in each process; it never ran a kernel,
+    # so no thread pool is inherited half-initialised as with plain fork.
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "ulysses_sp.comm.launch", *preload])
+    mp.start_processes(
+        _worker, args=(fn, world_size, free_port(), backend, timeout_s, args), nprocs=world_size, join=True,
+        start_method="forkserver",
+    )
