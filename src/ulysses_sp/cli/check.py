@@ -1,0 +1,79 @@
+"""``ulysses-sp check``: does a Transformers model train the same under Ulysses SP as on one process?
+
+Runs one forward + loss + backward of MODEL on a random batch in one process (plain transformers)
+and on ``--sp-size`` local processes (Ulysses SP), then prints the loss and the largest gradient
+differences. Exit code: 0 match, 1 mismatch, 2 bad input (missing path, unsupported model).
+The logic lives in ``ulysses_sp.integrations.check`` (imported only when the command runs, so
+other subcommands do not import transformers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ulysses_sp.integrations.check import CheckReport
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``ulysses-sp check``."""
+    parser.add_argument("model", help="local model directory, path to a config.json, or a Hub name (needs network)")
+    parser.add_argument("--sp-size", type=int, required=True, help="processes sharing the sequence (P)")
+    parser.add_argument("--random-init", action="store_true",
+                        help="weights from the model's own initializer (seeded); a checkpoint is the stronger check")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="default float32")
+    parser.add_argument("--batch-size", type=int, default=2, help="rows in the batch (default 2)")
+    parser.add_argument("--seq-len", type=int, default=128, help="global sequence length S, any value (default 128)")
+    parser.add_argument("--padding", action="store_true", help="right-pad row 0 and left-pad row 1")
+    parser.add_argument("--packed", action="store_true", help="several documents per row (position_ids restart)")
+    parser.add_argument("--attn-implementation", default=None,
+                        help="sdpa, eager, flex_attention, flash_attention_2 ... (default: the model's own)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the batch and of random weights (default 0)")
+
+
+def format_report(report: CheckReport) -> str:
+    """The table ``ulysses-sp check`` prints."""
+    o, c, t = report.options, report.comparison, report.comparison.tolerance
+    S, P = o.seq_len, o.sp_size
+    s = -(-S // P)
+    docs = "+".join(str(len(d)) for d in report.batch.documents) + " documents" if o.packed else "one document per row"
+    padding = ("right (row 0)" + (" + left (row 1)" if o.batch_size > 1 else "")) if o.padding else "none"
+    lines = [
+        f"ulysses-sp check: {report.model_class} ({report.num_params / 1e6:.2f}M parameters) from {o.model}"
+        f"{' (random init)' if o.random_init else ''}",
+        f"  kernel {report.kernel}, dtype {o.dtype}, seed {o.seed}; batch B={o.batch_size} S={S}: {docs}, "
+        f"padding {padding}",
+        f"  SP: P={P} {report.backend} processes, {s} tokens per rank (S padded to {s * P}); "
+        f"time: reference {report.ref_seconds:.1f} s, SP {report.sp_seconds:.1f} s (with process start)",
+        "",
+        f"  {'quantity':<22}{'reference':>14}{'SP':>14}{'abs diff':>11}{'rel diff':>11}{'tolerance':>11}  result",
+        f"  {'loss':<22}{c.loss_ref:>14.6f}{c.loss_sp:>14.6f}{c.loss_abs:>11.2e}{c.loss_rel:>11.2e}"
+        f"{t.loss_rel:>11.1e}  {'ok' if c.loss_rel <= t.loss_rel else 'MISMATCH'}",
+        f"  {f'grads ({c.num_grads} tensors)':<22}{'':>14}{'':>14}{c.grad_abs:>11.2e}{c.grad_rel:>11.2e}"
+        f"{t.grad_rel:>11.1e}  {'ok' if c.grad_rel <= t.grad_rel else 'MISMATCH'}",
+        f"    largest abs diff in {c.grad_abs_name}",
+        f"    largest rel diff in {c.grad_rel_name}   (rel = max |SP - ref| / max |grad| of that tensor)",
+        f"  tolerance: {t.why}",
+        f"RESULT: {'MATCH' if c.ok else 'MISMATCH'}",
+    ]
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the check and print its table; the exit code (0 match, 1 mismatch, 2 bad input)."""
+    from ulysses_sp.integrations.check import CheckInputError, CheckOptions, run_check
+
+    options = CheckOptions(
+        model=args.model, sp_size=args.sp_size, random_init=args.random_init, dtype=args.dtype,
+        batch_size=args.batch_size, seq_len=args.seq_len, padding=args.padding, packed=args.packed,
+        attn_implementation=args.attn_implementation, seed=args.seed,
+    )
+    try:
+        report = run_check(options)
+    except CheckInputError as err:
+        print(f"ulysses-sp check: error: {err}", file=sys.stderr)
+        return 2
+    print(format_report(report))
+    return report.comparison.exit_code

@@ -1,0 +1,380 @@
+"""``ulysses-sp check``: one training step of a Transformers causal LM under Ulysses SP vs one process.
+
+Shape legend: B batch, S global sequence (any length, ``S % P`` may be non-zero), V vocab, P SP size.
+
+    1. load    the model (its weights, or --random-init from its config; same seed in every process)
+               and validate it with ``UlyssesSP``: a ValueError is bad input (CheckInputError)
+    2. batch   random (B, S) tokens; --padding: row 0 right-padded, row 1 left-padded;
+               --packed: several documents per row in position_ids
+    3. ref     one process, plain transformers: forward + mean token CE + backward
+               (packed: each document on its own, logits concatenated: flash-attention varlen semantics)
+    4. SP      P spawned processes (gloo on CPU; nccl when CUDA has >= P GPUs): UlyssesSP + shard +
+               loss + backward, gradients all-reduced and averaged as DDP does; rank 0 torch.saves
+               the loss and gradients into a temporary directory
+    5. compare loss (relative) and every gradient (max |SP - ref| / max |grad| per tensor)
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import transformers
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+
+from ulysses_sp.comm.launch import spawn
+from ulysses_sp.comm.mesh import SPMesh
+from ulysses_sp.integrations.transformers import UlyssesSP
+from ulysses_sp.loss import global_num_items, reported_loss
+
+IGNORE = -100
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class CheckInputError(ValueError):
+    """Bad input: a missing path, an unloadable model, or one that cannot be made sequence-parallel."""
+
+
+@dataclass(frozen=True)
+class CheckOptions:
+    """What to check (the CLI flags of ``ulysses-sp check``)."""
+
+    model: str
+    sp_size: int
+    random_init: bool = False
+    dtype: str = "float32"
+    batch_size: int = 2
+    seq_len: int = 128
+    padding: bool = False
+    packed: bool = False
+    attn_implementation: str | None = None
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """Largest accepted relative differences, and why they are that size."""
+
+    loss_rel: float
+    grad_rel: float
+    why: str
+
+
+# fp32: reference and SP differ only in summation order (shard-wise weight-grad sums, per-document
+#   kernel calls, the all-reduce); observed <= 2e-6 relative on the tiny test models. 1e-4 leaves
+#   margin for deeper models, while a wrong mask, shift or loss scale gives > 1e-2.
+# bf16: 8 significant bits, rounding up to 2^-9 = 2e-3 per op, and reference and SP round DIFFERENT
+#   partial results (per-rank grads before the all-reduce, whole-row vs per-document attention);
+#   the differences grow through the layers. Observed on 2-layer Llama / Mistral / Qwen3 / Gemma2 with
+#   padding and packing: loss <= 2e-4, grads <= 1.5e-2. Tolerances 2e-3 / 5e-2 keep a 10x / 3x
+#   margin; forgetting document boundaries moved the loss by 4e-2 and the grads by > 1 (bf16 too).
+#   Deeper models drift further in bf16: use fp32 for a strict check.
+TOLERANCES = {
+    "float32": Tolerance(1e-4, 1e-4, "fp32: only summation order differs (~1e-6); a wrong mask or scale gives > 1e-2"),
+    "bfloat16": Tolerance(2e-3, 5e-2, "bf16 rounding (2e-3 per op) compounds over layers; fp32 is the strict check"),
+}
+
+
+@dataclass
+class CheckBatch:
+    """A global batch and, per row, the ``(start, end)`` documents of its real (non-padding) tokens."""
+
+    tensors: dict[str, torch.Tensor]
+    documents: list[list[tuple[int, int]]]
+
+
+@dataclass
+class StepResult:
+    """Loss value and fp32 CPU gradient of every trainable parameter (by name) of one step."""
+
+    loss: float
+    grads: dict[str, torch.Tensor]
+    seconds: float = 0.0
+
+
+@dataclass
+class Comparison:
+    """Reference vs SP: loss and the worst gradient tensors."""
+
+    loss_ref: float
+    loss_sp: float
+    grad_abs: float
+    grad_abs_name: str
+    grad_rel: float
+    grad_rel_name: str
+    num_grads: int
+    tolerance: Tolerance
+
+    @property
+    def loss_abs(self) -> float:
+        """``|loss_sp - loss_ref|``."""
+        return abs(self.loss_sp - self.loss_ref)
+
+    @property
+    def loss_rel(self) -> float:
+        """``loss_abs / |loss_ref|``."""
+        return self.loss_abs / max(abs(self.loss_ref), 1e-30)
+
+    @property
+    def ok(self) -> bool:
+        """Both within tolerance (NaN never is)."""
+        return self.loss_rel <= self.tolerance.loss_rel and self.grad_rel <= self.tolerance.grad_rel
+
+    @property
+    def exit_code(self) -> int:
+        """0 on a match, 1 on a mismatch."""
+        return 0 if self.ok else 1
+
+
+@dataclass
+class CheckReport:
+    """The outcome of :func:`run_check` (printed by ``ulysses_sp.cli.check.format_report``)."""
+
+    options: CheckOptions
+    model_class: str
+    num_params: int
+    kernel: str
+    backend: str
+    batch: CheckBatch
+    comparison: Comparison
+    ref_seconds: float = 0.0
+    sp_seconds: float = 0.0
+
+
+# 1. load and validate ---------------------------------------------------------------------------
+def _validate_options(opts: CheckOptions) -> None:
+    """Numeric flags in range (a CheckInputError names the flag)."""
+    if opts.sp_size < 1:
+        raise CheckInputError(f"--sp-size must be >= 1, got {opts.sp_size}.")
+    if opts.batch_size < 1:
+        raise CheckInputError(f"--batch-size must be >= 1, got {opts.batch_size}.")
+    least = 4 if opts.padding else 2
+    if opts.seq_len < least:
+        raise CheckInputError(f"--seq-len must be >= {least} (a row needs tokens and targets), got {opts.seq_len}.")
+    if opts.dtype not in DTYPES:
+        raise CheckInputError(f"--dtype must be one of {sorted(DTYPES)}, got {opts.dtype!r}.")
+
+
+def _model_source(model: str) -> tuple[str, bool]:
+    """``(path or hub name, is a config file)``; a missing local path is a CheckInputError."""
+    path = Path(model).expanduser()
+    if path.is_file():
+        if path.suffix != ".json":
+            raise CheckInputError(f"{model} is a file but not a .json config; give a model directory or a config.json.")
+        return str(path), True
+    if path.is_dir():
+        return str(path), False
+    looks_local = model.startswith((".", "/", "~")) or model.endswith(".json") or model.count("/") > 1
+    if looks_local:
+        raise CheckInputError(
+            f"model path {model} does not exist; give a local model directory (save_pretrained), a config.json, "
+            "or a Hugging Face Hub name (needs network)."
+        )
+    return model, False
+
+
+def load_model(opts: CheckOptions, device: torch.device) -> PreTrainedModel:
+    """The model in eval mode (no dropout) on ``device``; identical in every process (seeded init)."""
+    source, is_config = _model_source(opts.model)
+    kwargs: dict[str, Any] = {"dtype": DTYPES[opts.dtype], "attn_implementation": opts.attn_implementation}
+    torch.manual_seed(opts.seed)  # random init (and any weight missing from a checkpoint) is seeded
+    try:
+        if is_config or opts.random_init:
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(source), **kwargs)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+    except (OSError, ValueError, KeyError, ImportError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise CheckInputError(f"could not load {opts.model!r} as a causal LM: {first}") from err
+    return model.to(device).eval()
+
+
+@dataclass(frozen=True)
+class _PlannedMesh:
+    """What ``UlyssesSP.__init__`` reads of a mesh, so a model is validated before any process starts."""
+
+    sp_size: int
+    dp_size: int = 1
+    sp_rank: int = 0
+    sp_group: None = None
+
+
+def validate_model(model: PreTrainedModel, sp_size: int) -> str:
+    """The core kernel ``UlyssesSP`` would use; its ValueError becomes a CheckInputError."""
+    try:
+        return UlyssesSP(model, cast(SPMesh, _PlannedMesh(sp_size))).kernel
+    except ValueError as err:
+        raise CheckInputError(str(err)) from err
+
+
+# 2. batch ---------------------------------------------------------------------------------------
+def _documents(first: int, end: int, packed: bool, gen: torch.Generator) -> list[tuple[int, int]]:
+    """``(start, end)`` runs of the real tokens ``[first, end)``: one, or up to three when packed."""
+    num_docs = min(3, end - first) if packed else 1
+    cuts = (torch.randperm(end - first - 1, generator=gen)[: num_docs - 1] + first + 1).sort().values.tolist()
+    bounds = [first, *cuts, end]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def make_batch(opts: CheckOptions, vocab_size: int, pad_token_id: int = 0) -> CheckBatch:
+    """A random global batch: ``input_ids``, ``labels`` and, as asked, ``attention_mask`` / ``position_ids``.
+
+    Labels ignore padding and targets predicted FROM padding (left padding's first real token),
+    like ``shard_batch``. Packed rows restart ``position_ids`` at 0 for each document; padding on
+    the right continues the last document's positions, on the left counts from 0.
+    """
+    gen = torch.Generator().manual_seed(opts.seed)
+    B, S = opts.batch_size, opts.seq_len
+    ids = torch.randint(0, vocab_size, (B, S), generator=gen)
+    valid = torch.ones(B, S, dtype=torch.bool)
+    if opts.padding:
+        valid[0, S - max(1, S // 4) :] = False
+        if B > 1:
+            valid[1, : max(1, S // 6)] = False
+    real = [row.nonzero().flatten() for row in valid]
+    documents = [_documents(int(r[0]), int(r[-1]) + 1, opts.packed, gen) for r in real]
+    ids = ids.masked_fill(~valid, pad_token_id)
+    labels = ids.masked_fill(~valid, IGNORE)
+    labels[:, 1:] = labels[:, 1:].masked_fill(~valid[:, :-1], IGNORE)
+    tensors = {"input_ids": ids, "labels": labels}
+    if opts.padding:
+        tensors["attention_mask"] = valid.long()
+    if opts.packed:
+        position_ids = torch.arange(S).repeat(B, 1)
+        for b, row in enumerate(documents):
+            for a, e in row:
+                position_ids[b, a:] = torch.arange(S - a)  # restart; later documents overwrite the tail
+        tensors["position_ids"] = position_ids
+    return CheckBatch(tensors, documents)
+
+
+# 3. reference and 4. SP --------------------------------------------------------------------------
+def _grads(model: PreTrainedModel, group: dist.ProcessGroup | None = None) -> dict[str, torch.Tensor]:
+    """fp32 CPU gradient of every trainable parameter; with ``group``: summed, / group size (DDP)."""
+    grads = {}
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        g = (p.grad if p.grad is not None else torch.zeros_like(p)).detach().float().clone()
+        if group is not None:
+            dist.all_reduce(g, group=group)
+            g /= dist.get_world_size(group)
+        grads[name] = g.cpu()
+    return grads
+
+
+def _per_document_logits(model: PreTrainedModel, batch: CheckBatch) -> torch.Tensor:
+    """``(B, S, V)``: each document run alone (B=1, no mask), padding positions zero."""
+    ids = batch.tensors["input_ids"]
+    rows = []
+    for b, documents in enumerate(batch.documents):
+        pieces, cursor = [], 0
+        for a, e in documents:
+            pieces.append(model(input_ids=ids[b : b + 1, a:e], use_cache=False).logits)
+            cursor = e
+        logits = torch.cat(pieces, dim=1)
+        before, after = documents[0][0], ids.shape[1] - cursor
+        rows.append(F.pad(logits, (0, 0, before, after)))
+    return torch.cat(rows, dim=0)
+
+
+def reference_step(model: PreTrainedModel, batch: CheckBatch) -> StepResult:
+    """One process, plain transformers: mean token CE over the batch, then backward."""
+    t0 = time.perf_counter()
+    t = {k: v.to(model.device) for k, v in batch.tensors.items()}
+    if "position_ids" in t:
+        logits = _per_document_logits(model, CheckBatch(t, batch.documents))
+        V, targets = logits.shape[-1], t["labels"][:, 1:].reshape(-1)
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, V).float(), targets, ignore_index=IGNORE)
+    else:
+        mask = t.get("attention_mask")
+        loss = model(input_ids=t["input_ids"], attention_mask=mask, labels=t["labels"], use_cache=False).loss
+    loss.backward()
+    return StepResult(loss.item(), _grads(model), time.perf_counter() - t0)
+
+
+def _sp_worker(rank: int, world: int, opts: CheckOptions, tensors: dict[str, torch.Tensor], out_path: str) -> None:
+    """One SP rank: the sharded step; rank 0 saves the loss and the DDP-averaged gradients."""
+    transformers.logging.disable_progress_bar()  # this process only: P bars would bury the table
+    nccl = dist.get_backend() == "nccl"
+    device = torch.device("cuda", rank) if nccl else torch.device("cpu")
+    mesh = SPMesh.from_world(world)
+    model = load_model(opts, device)
+    with UlyssesSP(model, mesh) as sp:
+        shard = sp.shard({k: v.to(device) for k, v in tensors.items()})
+        logits = model(**sp.model_inputs(shard)).logits
+        loss = sp.loss(logits, shard, global_num_items(shard["shift_labels"], mesh.sp_group))
+        loss.backward()
+    grads = _grads(model, mesh.sp_group)
+    logged = reported_loss(loss, world, mesh.sp_group)
+    if rank == 0:
+        torch.save({"loss": logged.item(), "grads": grads}, out_path)
+
+
+def _backend(sp_size: int) -> str:
+    """``nccl`` when CUDA has a GPU for every rank, else ``gloo`` on CPU."""
+    return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= sp_size else "gloo"
+
+
+def sp_step(opts: CheckOptions, batch: CheckBatch) -> StepResult:
+    """Spawn ``opts.sp_size`` processes and read rank 0's result back from a temporary file."""
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="ulysses_sp_check_") as tmp:
+        out_path = str(Path(tmp) / "sp_result.pt")
+        spawn(_sp_worker, opts.sp_size, opts, batch.tensors, out_path, backend=_backend(opts.sp_size))
+        saved = torch.load(out_path, weights_only=True)
+    return StepResult(saved["loss"], saved["grads"], time.perf_counter() - t0)
+
+
+# 5. compare -------------------------------------------------------------------------------------
+def _grad_diffs(ref: torch.Tensor | None, sp: torch.Tensor | None) -> tuple[float, float]:
+    """``(max |SP - ref|, that / max(max |ref|, max |SP|))``; a missing or misshapen tensor is inf."""
+    if ref is None or sp is None or ref.shape != sp.shape:
+        return math.inf, math.inf
+    diff = (sp.float() - ref.float()).abs().max().item()
+    scale = max(ref.abs().max().item(), sp.abs().max().item())
+    return diff, (diff / scale if scale > 0 else diff)
+
+
+def _severity(diff: float) -> float:
+    """A difference for ranking: NaN ranks worst (it compares False with everything)."""
+    return math.inf if math.isnan(diff) else diff
+
+
+def compare(ref: StepResult, sp: StepResult, tolerance: Tolerance) -> Comparison:
+    """Loss and per-tensor gradient differences; the worst tensor by abs and by relative diff."""
+    worst_abs, worst_rel = (0.0, "-"), (0.0, "-")
+    names = sorted(set(ref.grads) | set(sp.grads))
+    for name in names:
+        d_abs, d_rel = _grad_diffs(ref.grads.get(name), sp.grads.get(name))
+        if _severity(d_abs) > _severity(worst_abs[0]):
+            worst_abs = (d_abs, name)
+        if _severity(d_rel) > _severity(worst_rel[0]):
+            worst_rel = (_severity(d_rel), name)
+    return Comparison(ref.loss, sp.loss, worst_abs[0], worst_abs[1], worst_rel[0], worst_rel[1], len(names), tolerance)
+
+
+def run_check(opts: CheckOptions) -> CheckReport:
+    """Steps 1-5 of the module docstring. Raises CheckInputError on bad input, before any spawn."""
+    _validate_options(opts)
+    device = torch.device("cuda", 0) if _backend(opts.sp_size) == "nccl" else torch.device("cpu")
+    model = load_model(opts, device)
+    kernel = validate_model(model, opts.sp_size)
+    config = model.config.get_text_config()
+    batch = make_batch(opts, config.vocab_size, getattr(config, "pad_token_id", None) or 0)
+    ref = reference_step(model, batch)
+    model_class, num_params = type(model).__name__, sum(p.numel() for p in model.parameters())
+    del model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # rank 0 shares this GPU
+    sp = sp_step(opts, batch)
+    comparison = compare(ref, sp, TOLERANCES[opts.dtype])
+    return CheckReport(opts, model_class, num_params, kernel, _backend(opts.sp_size), batch, comparison,
+                       ref.seconds, sp.seconds)

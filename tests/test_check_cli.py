@@ -1,0 +1,79 @@
+"""``ulysses-sp check``: the end-to-end command, its mismatch detector and its bad-input exits."""
+
+import pytest
+import torch
+
+from tiny_models import tiny_model
+from ulysses_sp.cli.check import format_report
+from ulysses_sp.cli.main import main
+from ulysses_sp.integrations.check import TOLERANCES, CheckBatch, CheckOptions, CheckReport, StepResult, compare
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_llama")
+    tiny_model("llama").save_pretrained(path)  # N=8 query heads, K=2 kv heads
+    return path
+
+
+def test_check_command_matches_on_packed_odd_length_batch(llama_dir, capsys):
+    """Catches a broken check pipeline: SP loss/grads of a saved model (packed documents, S=23 not
+    divisible by P=2) must match the per-document one-process reference and exit 0 with the table."""
+    code = main(["check", str(llama_dir), "--sp-size", "2", "--packed", "--seq-len", "23"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "RESULT: MATCH" in out and "LlamaForCausalLM" in out
+    assert "loss" in out and "grads (21 tensors)" in out and "12 tokens per rank (S padded to 24)" in out
+
+
+def _fake_results(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    grads = {"embed.weight": torch.randn(16, 8, generator=g), "layers.0.q_proj.weight": torch.randn(8, 8, generator=g)}
+    ref = StepResult(loss=4.0, grads=grads)
+    sp = StepResult(loss=4.0 * (1 + 1e-7), grads={k: v * (1 + 1e-7) for k, v in grads.items()})
+    return ref, sp
+
+
+def test_compare_reports_a_perturbed_gradient_as_mismatch():
+    """Catches a detector that cannot fail: one gradient element off by 1% of that tensor's max must
+    give exit 1 and name the tensor, while fp32 rounding noise (1e-7) must still pass."""
+    ref, sp = _fake_results()
+    assert compare(ref, sp, TOLERANCES["float32"]).exit_code == 0  # rounding-level noise is a match
+    bad = sp.grads["layers.0.q_proj.weight"]
+    bad[3, 5] += 0.01 * bad.abs().max()
+    result = compare(ref, sp, TOLERANCES["float32"])
+    assert not result.ok and result.exit_code == 1
+    assert result.grad_rel_name == "layers.0.q_proj.weight" and result.grad_rel == pytest.approx(0.01, rel=0.05)
+    report = CheckReport(CheckOptions("m", 2, seq_len=9), "Fake", 1, "sdpa", "gloo",
+                         CheckBatch({}, [[(0, 9)]]), result)
+    assert "RESULT: MISMATCH" in format_report(report)
+
+
+def test_compare_reports_loss_mismatch_missing_gradient_and_nan():
+    """Catches mismatches that hide from a max over gradients: a wrong loss scale, a parameter
+    without a gradient on one side, and NaN (which compares False with everything)."""
+    ref, sp = _fake_results()
+    sp.loss = ref.loss * 2  # e.g. a loss not divided by the SP size
+    assert compare(ref, sp, TOLERANCES["float32"]).exit_code == 1
+    ref, sp = _fake_results()
+    del sp.grads["embed.weight"]
+    assert compare(ref, sp, TOLERANCES["float32"]).grad_rel_name == "embed.weight"
+    ref, sp = _fake_results()
+    sp.grads["embed.weight"][0, 0] = float("nan")
+    assert compare(ref, sp, TOLERANCES["float32"]).exit_code == 1
+
+
+def test_missing_model_path_exits_2(tmp_path, capsys):
+    """Catches a typo in the model path turning into a Hub download attempt or a traceback."""
+    missing = tmp_path / "no_such_model"
+    assert main(["check", str(missing), "--sp-size", "2"]) == 2
+    err = capsys.readouterr().err
+    assert f"model path {missing} does not exist" in err
+
+
+def test_sp_size_larger_than_heads_exits_2_with_ulysses_message(llama_dir, capsys):
+    """Catches spawning P processes for a model UlyssesSP refuses: the refusal (with its fix) is
+    printed and nothing is launched."""
+    assert main(["check", str(llama_dir), "--sp-size", "16"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot be made sequence-parallel" in err and "sp_size 16 > num_attention_heads 8" in err
