@@ -143,21 +143,27 @@ def _check_qkv(q_BNsH: torch.Tensor, k_BKsH: torch.Tensor, v_BKsH: torch.Tensor,
         raise ValueError(f"q and k head dims differ ({H} vs {k_BKsH.shape[3]}).")
 
 
+def _pack(per_destination: list[list[torch.Tensor]]) -> tuple[torch.Tensor, list[int]]:
+    """Copy each destination's parts, in order, into one flat buffer (one copy per element)."""
+    sizes = [sum(p.numel() for p in parts) for parts in per_destination]
+    first = per_destination[0][0]
+    buf = first.new_empty(sum(sizes))
+    off = 0
+    for parts in per_destination:
+        for p in parts:
+            buf[off : off + p.numel()].view(p.shape).copy_(p)
+            off += p.numel()
+    return buf, sizes
+
+
 def pack_qkv(
     q_BNsH: torch.Tensor, k_BKsH: torch.Tensor, v_BKsH: torch.Tensor, plan: HeadPlan
 ) -> tuple[torch.Tensor, list[int]]:
     """Sender side of the seq->head exchange: one flat buffer and the split size per destination."""
     _check_qkv(q_BNsH, k_BKsH, v_BKsH, plan)
-    B, _, s, H = q_BNsH.shape
-    Hv = v_BKsH.shape[3]
-    sizes = [plan.qkv_numels(j, B, s, H, Hv) for j in range(plan.sp_size)]
-    buf = q_BNsH.new_empty(sum(sizes))
-    off = 0
-    for (qa, qb), (ka, kb) in zip(plan.q_ranges, plan.kv_ranges):
-        for src in (q_BNsH[:, qa:qb], k_BKsH[:, ka:kb], v_BKsH[:, ka:kb]):
-            buf[off : off + src.numel()].view(src.shape).copy_(src)
-            off += src.numel()
-    return buf, sizes
+    return _pack(
+        [[q_BNsH[:, qa:qb], k_BKsH[:, ka:kb], v_BKsH[:, ka:kb]] for (qa, qb), (ka, kb) in zip(plan.q_ranges, plan.kv_ranges)]
+    )
 
 
 def unpack_qkv(
@@ -184,14 +190,7 @@ def pack_qkv_grad(
     """Adjoint of ``unpack_qkv``: for destination i, the gradients of i's tokens ``[i*s, (i+1)*s)``."""
     P = plan.sp_size
     s = gq_BnSH.shape[2] // P
-    parts = [t[:, :, i * s : (i + 1) * s] for i in range(P) for t in (gq_BnSH, gk_BkSH, gv_BkSH)]
-    sizes = [sum(p.numel() for p in parts[3 * i : 3 * i + 3]) for i in range(P)]
-    buf = gq_BnSH.new_empty(sum(sizes))
-    off = 0
-    for p in parts:
-        buf[off : off + p.numel()].view(p.shape).copy_(p)
-        off += p.numel()
-    return buf, sizes
+    return _pack([[t[:, :, i * s : (i + 1) * s] for t in (gq_BnSH, gk_BkSH, gv_BkSH)] for i in range(P)])
 
 
 def unpack_qkv_grad(
@@ -217,13 +216,8 @@ def unpack_qkv_grad(
 def pack_out(o_BSnH: torch.Tensor, plan: HeadPlan) -> tuple[torch.Tensor, list[int]]:
     """Sender side of the head->seq exchange: destination j gets tokens ``[j*s, (j+1)*s)``."""
     P = plan.sp_size
-    B, S, n, Hv = o_BSnH.shape
-    s = S // P
-    sizes = [B * s * n * Hv] * P
-    buf = o_BSnH.new_empty(B * S * n * Hv)
-    for j in range(P):
-        buf[j * sizes[0] : (j + 1) * sizes[0]].view(B, s, n, Hv).copy_(o_BSnH[:, j * s : (j + 1) * s])
-    return buf, sizes
+    s = o_BSnH.shape[1] // P
+    return _pack([[o_BSnH[:, j * s : (j + 1) * s]] for j in range(P)])
 
 
 def unpack_out(buf: torch.Tensor, plan: HeadPlan, B: int, s: int, Hv: int) -> torch.Tensor:
@@ -239,16 +233,7 @@ def unpack_out(buf: torch.Tensor, plan: HeadPlan, B: int, s: int, Hv: int) -> to
 
 def pack_out_grad(g_BsNH: torch.Tensor, plan: HeadPlan) -> tuple[torch.Tensor, list[int]]:
     """Adjoint of ``unpack_out``: destination i gets the gradient of its heads for my tokens."""
-    sizes, parts = [], []
-    for qa, qb in plan.q_ranges:
-        parts.append(g_BsNH[:, :, qa:qb])
-        sizes.append(parts[-1].numel())
-    buf = g_BsNH.new_empty(sum(sizes))
-    off = 0
-    for p in parts:
-        buf[off : off + p.numel()].view(p.shape).copy_(p)
-        off += p.numel()
-    return buf, sizes
+    return _pack([[g_BsNH[:, :, qa:qb]] for qa, qb in plan.q_ranges])
 
 
 def unpack_out_grad(buf: torch.Tensor, plan: HeadPlan, rank: int, B: int, s: int, Hv: int) -> torch.Tensor:
