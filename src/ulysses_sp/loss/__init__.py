@@ -6,8 +6,12 @@ Main entry points:
                                             this rank's loss; the DP gradient average of it is the
                                             exact global token-mean gradient
     reported_loss(loss, W, group)           the global token-mean loss value for logging
+    tiled_token_loss(hidden, lm_head_weight, shift_labels, num_items_in_batch, grad_average_world=W)
+                                            sp_token_loss of lm_head(hidden), tile by tile, never
+                                            materialising the full (B, s, V) logits
 """
 
 from ulysses_sp.loss.cross_entropy import global_num_items, reported_loss, sp_token_loss
+from ulysses_sp.loss.tiled import tiled_token_loss
 
-__all__ = ["global_num_items", "reported_loss", "sp_token_loss"]
+__all__ = ["global_num_items", "reported_loss", "sp_token_loss", "tiled_token_loss"]
