@@ -1,0 +1,151 @@
+"""Tiled MLP (ALST-style): the MLP runs over sequence tiles and is recomputed tile by tile in backward.
+
+Shapes: ``B`` batch, ``s`` local sequence, ``t`` tile tokens, ``D`` hidden, ``I`` intermediate.
+
+An MLP ``x_BsD -> y_BsD`` keeps ``(B, s, I)`` activations alive for backward (gate, up, act, their
+product). Here only ``x_BsD`` is saved; ``(B, t, I)`` tensors exist for one tile at a time:
+
+    forward (no grad):   x_BsD --split s into tiles--> fn(x_BtD) ... --cat--> y_BsD   save x_BsD
+    backward, per tile:  recompute fn(x_BtD) with grad -> autograd.grad(y_BtD, [x_BtD, *params], dy_BtD)
+                         dx tiles --cat--> dx_BsD;  param grads summed over tiles, returned ONCE
+
+Returning the summed parameter grads from ``backward`` (instead of accumulating into ``.grad``
+by hand) lets autograd's ``AccumulateGrad`` do the accumulation, so DDP / FSDP grad hooks fire
+once per parameter per step. The tile count is computed locally from the local length; there are
+no collectives inside, so ranks with different lengths cannot deadlock.
+
+Contract for ``mlp_forward_fn``: token-wise (output position i depends only on input position i),
+returns one tensor, deterministic (no dropout: the recompute must reproduce the forward).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+_SEQ_DIM = -2  # x is (..., s, D)
+
+
+def _tile_size(seq_len: int, num_tiles: int) -> int:
+    return max(1, math.ceil(seq_len / max(1, num_tiles)))
+
+
+class TiledMLPFunction(torch.autograd.Function):
+    """``TiledMLPFunction.apply(mlp_forward_fn, x_BsD, num_tiles, *params) -> y_BsD``.
+
+    ``params``: the tensors of ``mlp_forward_fn`` that should receive gradients (those requiring
+    grad); parameters left out (frozen ones) get none.
+    """
+
+    @staticmethod
+    def forward(ctx, mlp_forward_fn: Callable, x_BsD: torch.Tensor, num_tiles: int, *params: torch.Tensor):
+        ctx.fn = mlp_forward_fn
+        ctx.tile = _tile_size(x_BsD.shape[_SEQ_DIM], num_tiles)
+        device_type = x_BsD.device.type
+        ctx.autocast = (device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
+        ctx.save_for_backward(x_BsD, *params)
+        with torch.no_grad():
+            y_tiles = [_call(mlp_forward_fn, x_BtD) for x_BtD in x_BsD.split(ctx.tile, dim=_SEQ_DIM)]
+        return torch.cat(y_tiles, dim=_SEQ_DIM)
+
+    @staticmethod
+    def backward(ctx, dy_BsD: torch.Tensor):
+        x_BsD, *params = ctx.saved_tensors
+        need_dx = ctx.needs_input_grad[1]
+        wanted = [p for p, need in zip(params, ctx.needs_input_grad[3:]) if need]
+        param_grads: list[torch.Tensor | None] = [None] * len(wanted)
+        dx_tiles = []
+        device_type, autocast_on, autocast_dtype = ctx.autocast
+        for x_tile, dy_BtD in zip(x_BsD.split(ctx.tile, dim=_SEQ_DIM), dy_BsD.split(ctx.tile, dim=_SEQ_DIM)):
+            x_BtD = x_tile.detach().requires_grad_(need_dx)
+            with torch.enable_grad(), torch.autocast(device_type, enabled=autocast_on, dtype=autocast_dtype):
+                y_BtD = _call(ctx.fn, x_BtD)
+            inputs = ([x_BtD] if need_dx else []) + wanted
+            grads = torch.autograd.grad(y_BtD, inputs, dy_BtD, allow_unused=True)
+            if need_dx:
+                dx_tiles.append(grads[0])
+                grads = grads[1:]
+            for i, g in enumerate(grads):
+                if g is not None:
+                    param_grads[i] = g if param_grads[i] is None else param_grads[i] + g
+            del y_BtD, grads  # free this tile's recomputed graph before the next tile
+        dx_BsD = torch.cat(dx_tiles, dim=_SEQ_DIM) if need_dx else None
+        it = iter(param_grads)
+        all_param_grads = [next(it) if need else None for need in ctx.needs_input_grad[3:]]
+        return (None, dx_BsD, None, *all_param_grads)
+
+
+def _call(fn: Callable, x: torch.Tensor) -> torch.Tensor:
+    y = fn(x)
+    if not isinstance(y, torch.Tensor):
+        raise TypeError(
+            f"tiled MLP: the wrapped MLP returned {type(y).__name__}, not one tensor; only token-wise "
+            "MLPs returning a single tensor can be tiled (exclude MoE blocks from apply_tiled_mlp)."
+        )
+    return y
+
+
+class TiledMLP(nn.Module):
+    """Wraps ``mlp`` so it runs in tiles of at most ``tile_tokens`` tokens (see module docstring).
+
+    ``state_dict`` / ``load_state_dict`` keys are those of the unwrapped model (``...mlp.up_proj``,
+    not ``...mlp.mlp.up_proj``), so checkpoints stay interchangeable with and without tiling.
+    """
+
+    def __init__(self, mlp: nn.Module, tile_tokens: int):
+        super().__init__()
+        if tile_tokens < 1:
+            raise ValueError(f"tile_tokens must be >= 1, got {tile_tokens}; use e.g. 1024 (tokens per tile).")
+        self.mlp = mlp
+        self.tile_tokens = tile_tokens
+        self.register_state_dict_post_hook(_strip_wrapper_keys)
+        self.register_load_state_dict_pre_hook(_add_wrapper_keys)
+
+    def forward(self, x_BsD: torch.Tensor) -> torch.Tensor:
+        num_tiles = math.ceil(x_BsD.shape[_SEQ_DIM] / self.tile_tokens)  # local: no collective
+        params = [p for p in self.mlp.parameters() if p.requires_grad]
+        return TiledMLPFunction.apply(self.mlp, x_BsD, num_tiles, *params)
+
+    def extra_repr(self) -> str:
+        return f"tile_tokens={self.tile_tokens}"
+
+
+def _strip_wrapper_keys(module, state_dict, prefix, local_metadata) -> None:
+    inner = prefix + "mlp."
+    for key in [k for k in state_dict if k.startswith(inner)]:
+        state_dict[prefix + key[len(inner):]] = state_dict.pop(key)
+
+
+def _add_wrapper_keys(module, state_dict, prefix, *args) -> None:
+    inner = prefix + "mlp."
+    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
+        state_dict[inner + key[len(prefix):]] = state_dict.pop(key)
+
+
+def _is_tileable(mlp: object) -> bool:
+    """A dense token-wise MLP: MoE blocks (``experts``) route and record router logits, so are skipped."""
+    return isinstance(mlp, nn.Module) and not isinstance(mlp, TiledMLP) and not hasattr(mlp, "experts")
+
+
+def apply_tiled_mlp(model: nn.Module, tile_tokens: int) -> int:
+    """Replace every submodule's ``.mlp`` (dense MLP) with ``TiledMLP(mlp, tile_tokens)``; returns the count.
+
+    Only attributes of the user's model object are replaced; no model code is edited.
+    """
+    if tile_tokens < 1:
+        raise ValueError(f"tile_tokens must be >= 1, got {tile_tokens}.")
+    owners = [m for m in model.modules() if _is_tileable(getattr(m, "mlp", None)) and not isinstance(m, TiledMLP)]
+    for owner in owners:
+        owner.mlp = TiledMLP(owner.mlp, tile_tokens)
+    return len(owners)
+
+
+def remove_tiled_mlp(model: nn.Module) -> int:
+    """Undo ``apply_tiled_mlp``: put the original MLP modules back; returns the count."""
+    owners = [m for m in model.modules() if isinstance(getattr(m, "mlp", None), TiledMLP)]
+    for owner in owners:
+        owner.mlp = owner.mlp.mlp
+    return len(owners)
