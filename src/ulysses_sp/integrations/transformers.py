@@ -28,6 +28,7 @@ from ulysses_sp.attention.kernels import KERNELS
 from ulysses_sp.comm.mesh import SPMesh
 from ulysses_sp.data import ShardedBatch, shard_batch
 from ulysses_sp.loss import sp_token_loss
+from ulysses_sp.memory import apply_tiled_mlp, remove_tiled_mlp
 
 _KEY_PREFIX = "ulysses_sp"
 _counter = itertools.count()
@@ -102,12 +103,21 @@ class UlyssesSP:
         mesh: the ``dp x sp`` mesh (``SPMesh.from_world(sp_size)``).
         attn_implementation: the core kernel to run on the full sequence; default: the model's own
             (``sdpa``, ``eager``, ``flex_attention``, ``flash_attention_2`` or ``flash_attention_3``).
+        tiled_mlp_tokens: if set, while registered every dense MLP runs in sequence tiles of this
+            many tokens, recomputed in backward (``ulysses_sp.memory.apply_tiled_mlp``); MoE blocks
+            are left as they are. ``state_dict`` keys do not change.
 
     Raises:
         ValueError: at construction, naming every reason the model cannot be made sequence-parallel.
     """
 
-    def __init__(self, model: torch.nn.Module, mesh: SPMesh, attn_implementation: str | None = None) -> None:
+    def __init__(
+        self, model: torch.nn.Module, mesh: SPMesh, attn_implementation: str | None = None,
+        tiled_mlp_tokens: int | None = None,
+    ) -> None:
+        if tiled_mlp_tokens is not None and (isinstance(tiled_mlp_tokens, bool) or tiled_mlp_tokens < 1):
+            raise ValueError(f"tiled_mlp_tokens must be a positive number of tokens or None, got {tiled_mlp_tokens!r}.")
+        self.tiled_mlp_tokens = tiled_mlp_tokens
         self.model = model
         self.base = _base_model(model)
         self.mesh = mesh
@@ -135,6 +145,8 @@ class UlyssesSP:
         self._saved = (config._attn_implementation, config.use_cache)
         self.base.set_attn_implementation(self.key)
         config.use_cache = False
+        if self.tiled_mlp_tokens is not None:
+            apply_tiled_mlp(self.base, self.tiled_mlp_tokens)
         return self
 
     def unregister(self) -> None:
@@ -142,6 +154,8 @@ class UlyssesSP:
         if self._saved is None:
             return
         implementation, use_cache = self._saved
+        if self.tiled_mlp_tokens is not None:
+            remove_tiled_mlp(self.base)
         self.base.set_attn_implementation(implementation)
         self.base.config.use_cache = use_cache
         AttentionInterface._global_mapping.pop(self.key, None)
