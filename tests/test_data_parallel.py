@@ -60,12 +60,15 @@ def reference() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     return loss.detach(), {name: p.grad for name, p in model.named_parameters()}
 
 
-def sp_step(wrapped: torch.nn.Module, sp: UlyssesSP, mesh: SPMesh) -> torch.Tensor:
+def sp_step(wrapped: torch.nn.Module, sp: UlyssesSP, mesh: SPMesh, tiled_loss_tokens=None) -> torch.Tensor:
     """One training step of this rank through ``wrapped``; returns the logged (global) loss."""
     shard = sp.shard(micro_batches()[mesh.dp_rank])
     num_items = global_num_items(shard["shift_labels"], group=None)  # the whole step: all 4 ranks
-    logits = wrapped(**sp.model_inputs(shard)).logits
-    loss = sp.loss(logits, shard, num_items)  # grad_average_world defaults to dp * sp = 4
+    if tiled_loss_tokens is None:
+        logits = wrapped(**sp.model_inputs(shard)).logits
+        loss = sp.loss(logits, shard, num_items)  # grad_average_world defaults to dp * sp = 4
+    else:
+        loss = sp.forward_loss(wrapped, shard, num_items, tile_tokens=tiled_loss_tokens)
     loss.backward()
     return reported_loss(loss, WORLD, group=None)
 
@@ -93,6 +96,16 @@ def _ddp_case(mesh: SPMesh, ref_loss, ref_grads) -> None:
     check(f"DDP rank {dist.get_rank()}", logged, grads, ref_loss, ref_grads)
 
 
+def _ddp_tiled_case(mesh: SPMesh, ref_loss, ref_grads) -> None:
+    """DDP with the tiled MLP and the tiled lm_head + loss (tiles that do not divide the shard)."""
+    model = tiny_model("llama", seed=0)
+    with UlyssesSP(model, mesh, tiled_mlp_tokens=5) as sp:
+        ddp = DistributedDataParallel(model)
+        logged = sp_step(ddp, sp, mesh, tiled_loss_tokens=7)
+    grads = {name: p.grad for name, p in ddp.module.named_parameters()}
+    check(f"DDP tiled rank {dist.get_rank()}", logged, grads, ref_loss, ref_grads)
+
+
 def _fsdp2_case(mesh: SPMesh, ref_loss, ref_grads) -> None:
     model = tiny_model("llama", seed=0)
     world_mesh = init_device_mesh("cpu", (WORLD,))  # 1-D: shard params / reduce grads over all ranks
@@ -113,7 +126,7 @@ def _worker(rank: int, world: int, cases: tuple[str, ...]) -> None:
     assert (mesh.dp_size, mesh.sp_size) == (2, 2)
     ref_loss, ref_grads = reference()
     for case in cases:
-        {"ddp": _ddp_case, "fsdp2": _fsdp2_case}[case](mesh, ref_loss, ref_grads)
+        {"ddp": _ddp_case, "ddp_tiled": _ddp_tiled_case, "fsdp2": _fsdp2_case}[case](mesh, ref_loss, ref_grads)
 
 
 def test_ddp_and_fsdp2_gradients_match_one_process_on_the_global_batch() -> None:
@@ -123,4 +136,4 @@ def test_ddp_and_fsdp2_gradients_match_one_process_on_the_global_batch() -> None
     wrong weights), a replica's micro-batch dropped or duplicated, UlyssesSP failing to find the
     model inside DDP / FSDP2 or its collectives interleaving badly with theirs, and a logged loss
     that is a per-rank share instead of the global token mean."""
-    spawn(_worker, WORLD, ("ddp", "fsdp2"))
+    spawn(_worker, WORLD, ("ddp", "ddp_tiled", "fsdp2"))

@@ -37,7 +37,7 @@ def reference(family, kind, checkpointing=False):
     return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
-def sp_run(family, kind, mesh, checkpointing=False, tiled_mlp_tokens=None):
+def sp_run(family, kind, mesh, checkpointing=False, tiled_mlp_tokens=None, tiled_loss_tokens=None):
     model = tiny_model(family)
     if checkpointing:
         model.gradient_checkpointing_enable()
@@ -46,8 +46,8 @@ def sp_run(family, kind, mesh, checkpointing=False, tiled_mlp_tokens=None):
         num_tiled = sum(type(m).__name__ == "TiledMLP" for m in model.modules())
         assert num_tiled == (model.config.num_hidden_layers if tiled_mlp_tokens else 0)
         shard = sp.shard(tiny_batch(kind))
-        logits = model(**sp.model_inputs(shard)).logits
-        loss = sp.loss(logits, shard, global_num_items(shard["shift_labels"], mesh.sp_group))
+        num_items = global_num_items(shard["shift_labels"], mesh.sp_group)
+        loss = sp.forward_loss(model, shard, num_items, tile_tokens=tiled_loss_tokens)
         loss.backward()
     assert model.config._attn_implementation == tiny_model(family).config._attn_implementation  # unregistered
     assert all(type(m).__name__ != "TiledMLP" for m in model.modules())  # tiled MLPs removed again
@@ -58,10 +58,10 @@ def sp_run(family, kind, mesh, checkpointing=False, tiled_mlp_tokens=None):
     return reported_loss(loss.detach(), mesh.sp_size, mesh.sp_group), grads
 
 
-def check(family, kind, mesh, checkpointing=False, tiled_mlp_tokens=None):
+def check(family, kind, mesh, checkpointing=False, tiled_mlp_tokens=None, tiled_loss_tokens=None):
     ref_loss, ref_grads = reference(family, kind, checkpointing)
-    loss, grads = sp_run(family, kind, mesh, checkpointing, tiled_mlp_tokens)
-    where = f"{family}/{kind}/P={mesh.sp_size}/tiled_mlp={tiled_mlp_tokens}"
+    loss, grads = sp_run(family, kind, mesh, checkpointing, tiled_mlp_tokens, tiled_loss_tokens)
+    where = f"{family}/{kind}/P={mesh.sp_size}/tiled_mlp={tiled_mlp_tokens}/tiled_loss={tiled_loss_tokens}"
     # fp32: only summation order differs (shard-wise weight-grad sums, per-document or GQA kernels);
     # observed <= 2e-6 relative. 1e-5 / 1e-4 leave margin; a wrong mask or shard gives >1e-2.
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5, msg=lambda m: f"{where} loss: {m}")
@@ -127,7 +127,8 @@ def _worker(rank, world):
     if world == 2:
         check("llama", "padding", mesh, checkpointing=True)
         check("qwen3", "packed", mesh, tiled_mlp_tokens=5)  # 12 local tokens: tiles of 5, 5, 2
-        check("gemma2", "padding", mesh, checkpointing=True, tiled_mlp_tokens=4)
+        check("gemma2", "padding", mesh, checkpointing=True, tiled_mlp_tokens=4, tiled_loss_tokens=7)  # final softcap
+        check("llama", "packed", mesh, tiled_loss_tokens=5)
         check_eval("qwen2", "packed", mesh)
         check_lora("llama", "padding", mesh)
         model = tiny_model("llama")

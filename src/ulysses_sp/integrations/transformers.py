@@ -27,7 +27,7 @@ from ulysses_sp.attention import GlobalMask, UlyssesAttention
 from ulysses_sp.attention.kernels import KERNELS
 from ulysses_sp.comm.mesh import SPMesh
 from ulysses_sp.data import ShardedBatch, shard_batch
-from ulysses_sp.loss import sp_token_loss
+from ulysses_sp.loss import sp_token_loss, tiled_token_loss
 from ulysses_sp.memory import apply_tiled_mlp, remove_tiled_mlp
 
 _KEY_PREFIX = "ulysses_sp"
@@ -221,3 +221,34 @@ class UlyssesSP:
         """
         world = grad_average_world if grad_average_world is not None else self.mesh.dp_size * self.mesh.sp_size
         return sp_token_loss(logits_BsV, batch["shift_labels"], num_items_in_batch, grad_average_world=world)
+
+    def forward_loss(
+        self, model: torch.nn.Module, batch: Mapping[str, Any], num_items_in_batch: int | torch.Tensor, *,
+        tile_tokens: int | None = None, grad_average_world: int | None = None,
+    ) -> torch.Tensor:
+        """Forward ``model`` (or its DDP wrapper) on a sharded batch and return :meth:`loss`.
+
+        With ``tile_tokens``, lm_head and cross entropy run in token tiles (``tiled_token_loss``):
+        the model is called with ``logits_to_keep=1`` (logits of one token only), the decoder's
+        final hidden states ``(B, s, D)`` are taken from a forward hook, and the ``(B, s, V)``
+        logits never exist. Final logit softcapping (Gemma2) and an lm_head bias are applied.
+        """
+        if tile_tokens is None:
+            return self.loss(model(**self.model_inputs(batch)).logits, batch, num_items_in_batch, grad_average_world)
+        captured: list[torch.Tensor] = []
+
+        def keep_hidden(module: torch.nn.Module, args: Any, output: Any) -> None:
+            captured.append(output[0] if isinstance(output, tuple) else output.last_hidden_state)
+
+        handle = self.base.get_decoder().register_forward_hook(keep_hidden)
+        try:
+            model(**self.model_inputs(batch), logits_to_keep=1)
+        finally:
+            handle.remove()
+        head = self.base.get_output_embeddings()
+        world = grad_average_world if grad_average_world is not None else self.mesh.dp_size * self.mesh.sp_size
+        softcap = getattr(self.base.config.get_text_config(), "final_logit_softcapping", None)
+        return tiled_token_loss(
+            captured[-1], head.weight, batch["shift_labels"], num_items_in_batch, grad_average_world=world,
+            tile_tokens=tile_tokens, lm_head_bias=head.bias, final_logit_softcapping=softcap,
+        )
