@@ -246,6 +246,11 @@ class UlyssesSP:
         finally:
             handle.remove()
         head = self.base.get_output_embeddings()
+        if head.weight.numel() == 0 or type(head.weight).__name__ == "DTensor":
+            raise ValueError(
+                "tile_tokens needs the full lm_head weight outside the model's forward, but it is sharded "
+                "(FSDP2 / ZeRO-3); use forward_loss(..., tile_tokens=None) with those, or DDP / ZeRO-1/2."
+            )
         world = grad_average_world if grad_average_world is not None else self.mesh.dp_size * self.mesh.sp_size
         softcap = getattr(self.base.config.get_text_config(), "final_logit_softcapping", None)
         return tiled_token_loss(
