@@ -64,11 +64,8 @@ def sp_step(wrapped: torch.nn.Module, sp: UlyssesSP, mesh: SPMesh, tiled_loss_to
     """One training step of this rank through ``wrapped``; returns the logged (global) loss."""
     shard = sp.shard(micro_batches()[mesh.dp_rank])
     num_items = global_num_items(shard["shift_labels"], group=None)  # the whole step: all 4 ranks
-    if tiled_loss_tokens is None:
-        logits = wrapped(**sp.model_inputs(shard)).logits
-        loss = sp.loss(logits, shard, num_items)  # grad_average_world defaults to dp * sp = 4
-    else:
-        loss = sp.forward_loss(wrapped, shard, num_items, tile_tokens=tiled_loss_tokens)
+    # grad_average_world defaults to dp * sp = 4
+    loss = sp.forward_loss(wrapped, shard, num_items, tile_tokens=tiled_loss_tokens)
     loss.backward()
     return reported_loss(loss, WORLD, group=None)
 

@@ -54,8 +54,7 @@ def _worker(rank, world):
                   "zero_allow_untested_optimizer": True}
         engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
         shard = sp.shard(tiny_batch(*BATCHES[mesh.dp_rank]))
-        logits = engine(**sp.model_inputs(shard)).logits
-        loss = sp.loss(logits, shard, global_num_items(shard["shift_labels"]))  # DeepSpeed averages over world
+        loss = sp.forward_loss(engine, shard, global_num_items(shard["shift_labels"]))  # DeepSpeed averages over world
         engine.backward(loss)
         # fp32 with reordered sums only (shard-wise and replica-wise); 1e-5 / 1e-4 as in test_hf_parity
         torch.testing.assert_close(reported_loss(loss.detach(), world), ref_loss, rtol=1e-5, atol=1e-5)

@@ -101,7 +101,7 @@ def check_lora(family, kind, mesh):
     model = lora_model()
     with UlyssesSP(model, mesh) as sp:
         shard = sp.shard(batch)
-        loss = sp.loss(model(**sp.model_inputs(shard)).logits, shard, global_num_items(shard["shift_labels"], mesh.sp_group))
+        loss = sp.forward_loss(model, shard, global_num_items(shard["shift_labels"], mesh.sp_group))
         loss.backward()
     for (name, p), (_, r) in zip(model.named_parameters(), ref.named_parameters()):
         if p.requires_grad:

@@ -309,8 +309,7 @@ def _sp_worker(rank: int, world: int, opts: CheckOptions, tensors: dict[str, tor
     model = load_model(opts, device)
     with UlyssesSP(model, mesh) as sp:
         shard = sp.shard({k: v.to(device) for k, v in tensors.items()})
-        logits = model(**sp.model_inputs(shard)).logits
-        loss = sp.loss(logits, shard, global_num_items(shard["shift_labels"], mesh.sp_group))
+        loss = sp.forward_loss(model, shard, global_num_items(shard["shift_labels"], mesh.sp_group))
         loss.backward()
     grads = _grads(model, mesh.sp_group)
     logged = reported_loss(loss, world, mesh.sp_group)
