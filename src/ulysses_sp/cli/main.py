@@ -1,33 +1,34 @@
-"""Entry point of the ``ulysses-sp`` command."""
+"""Entry point of the ``ulysses-sp`` command.
+
+Each subcommand is a module under ``ulysses_sp.cli`` with ``add_arguments(parser)`` and
+``run(args) -> int`` (exit status); modules keep heavy imports (transformers) inside ``run``.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
+
+# name -> (module, one-line help); one line per subcommand.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("ulysses_sp.cli.demo", "SP attention on local processes vs one process"),
+    "check": ("ulysses_sp.cli.check", "a Transformers model: loss and grads under SP vs one process"),
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``ulysses-sp`` parser; each subcommand module keeps heavy imports (transformers) inside ``run``."""
-    from ulysses_sp.cli import check, demo
-
+    """The ``ulysses-sp`` parser with one subparser per entry of ``COMMANDS``."""
     parser = argparse.ArgumentParser(prog="ulysses-sp", description="Ulysses sequence parallelism for HF language models.")
     sub = parser.add_subparsers(dest="command", required=True)
-    demo.add_arguments(sub.add_parser("demo", help="SP attention on local processes vs one process"))
-    check.add_arguments(sub.add_parser("check", help="a Transformers model: loss and grads under SP vs one process"))
+    for name, (module, help_text) in COMMANDS.items():
+        importlib.import_module(module).add_arguments(sub.add_parser(name, help=help_text, description=help_text))
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command == "demo":
-        from ulysses_sp.cli import demo
-
-        return demo.run(args)
-    if args.command == "check":
-        from ulysses_sp.cli import check
-
-        return check.run(args)
-    return 2
+    return importlib.import_module(COMMANDS[args.command][0]).run(args)
 
 
 if __name__ == "__main__":
