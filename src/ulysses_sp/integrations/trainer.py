@@ -1,0 +1,248 @@
+"""Ulysses SP inside the Transformers ``Trainer``: two lines in a training script.
+
+    trainer = UlyssesTrainer(model=model, args=training_args, train_dataset=ds, data_collator=coll,
+                             sp_config=UlyssesSPConfig(sp_size=2))
+    trainer.train()
+
+What changes against ``transformers.Trainer`` (everything else, callbacks, logging, checkpoints,
+``report_to``, is the Trainer's own)::
+
+    data     accelerate shards batches over the WORLD; here over data-parallel replicas only
+             (dp_size, dp_rank): the P ranks of an SP group read the SAME global batch, so
+             steps / epochs / total batch size / num_input_tokens_seen count a group once.
+    batch    global (B, S) --UlyssesSP.shard--> (B, s) tokens + global positions + shift labels
+    loss     loss_r = (CE sum of my tokens) / N * W     N = valid tokens of the whole optimizer
+             step (all grad-accum micro-batches, all ranks), W = world (DDP / FSDP2 / ZeRO
+             average over it) => averaged gradient = one-process gradient of the global token mean;
+             the Trainer's own GA division and world scaling are off (``loss_is_scaled_for_ga``).
+    logging  the Trainer logs mean_r(sum of micro-step loss_r) = the global token mean.
+    eval     per batch: token mean over the SP group (one-process value); losses gathered over
+             DP replicas only. Logits are sharded, so ``compute_metrics`` is refused under SP.
+
+``per_device_train_batch_size`` is the batch of one SP group (one DP replica).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from accelerate.data_loader import BatchSamplerShard, DataLoaderDispatcher, IterableDatasetShard
+from transformers import Trainer
+
+from ulysses_sp.comm.mesh import SPMesh
+from ulysses_sp.config import UlyssesSPConfig
+from ulysses_sp.data import ShardedBatch, validate_same_batch
+from ulysses_sp.integrations.transformers import UlyssesSP
+from ulysses_sp.loss import global_num_items, reported_loss
+
+_GLOBAL_KEY = "ulysses_global_batch"  # the global batch's token tensors, for token counting only
+
+
+class UlyssesTrainerMixin:
+    """Mix in before a ``transformers.Trainer`` subclass to train with Ulysses SP.
+
+    Args:
+        sp_config: the SP configuration (default ``UlyssesSPConfig()``: sp_size 1). All other
+            arguments go to the Trainer unchanged.
+
+    Attributes (after ``__init__``):
+        sp_config: the configuration; sp_mesh: the ``dp x sp`` :class:`SPMesh`;
+        ulysses: the registered :class:`UlyssesSP` of the model.
+
+    Raises:
+        ValueError: before training, for settings SP cannot honour (sp_size not dividing the world,
+            a model that cannot be made sequence-parallel, ``compute_metrics`` / label smoothing /
+            ``compute_loss_func`` / ``n_gpu > 1`` / ``dispatch_batches`` under SP, a collator that
+            drops packed ``position_ids``).
+    """
+
+    loss_is_scaled_for_ga = True  # our loss is already divided by the whole step's token count
+
+    def __init__(self, *args: Any, sp_config: UlyssesSPConfig | None = None, **kwargs: Any) -> None:
+        self.sp_config = sp_config if sp_config is not None else UlyssesSPConfig()
+        if not isinstance(self.sp_config, UlyssesSPConfig):
+            raise ValueError(f"sp_config must be a UlyssesSPConfig, got {type(self.sp_config).__name__}.")
+        super().__init__(*args, **kwargs)
+        self._check_trainer_settings()
+        _ensure_process_group(self.args.world_size)
+        self.sp_config.validate(self.args.world_size)
+        self.sp_mesh: SPMesh = self.sp_config.build_mesh()
+        self.ulysses: UlyssesSP = UlyssesSP(
+            self.model, self.sp_mesh, attn_implementation=self.sp_config.sp_attn_implementation,
+            tiled_mlp_tokens=self.sp_config.tiled_mlp_tokens,
+        ).register()
+        self.model_accepts_loss_kwargs = True
+        self._expects_position_ids = _dataset_has_column(self.train_dataset, "position_ids") or bool(
+            getattr(self.args, "padding_free", False)
+        )
+
+    def _check_trainer_settings(self) -> None:
+        args = self.args
+        if args.n_gpu > 1:
+            raise ValueError(
+                f"Ulysses SP needs one process per device, but this process drives {args.n_gpu} GPUs "
+                "(torch.nn.DataParallel); launch with torchrun / accelerate launch instead."
+            )
+        if args.label_smoothing_factor != 0:
+            raise ValueError("label_smoothing_factor is not supported with UlyssesTrainer; set it to 0.")
+        if self.compute_loss_func is not None:
+            raise ValueError(
+                "compute_loss_func is not used by UlyssesTrainer (the loss is computed on sequence shards); "
+                "remove it, or subclass and override compute_loss with UlyssesSP.forward_loss."
+            )
+        if self.compute_metrics is not None and self.sp_config.sp_size > 1:
+            raise ValueError(
+                "compute_metrics needs full-sequence logits, but under sequence parallelism each rank holds only "
+                "its shard; evaluate() reports eval_loss. Remove compute_metrics or use sp_size=1."
+            )
+
+    # data -----------------------------------------------------------------------------
+    def get_train_dataloader(self) -> Any:
+        return self._shard_by_dp(super().get_train_dataloader())
+
+    def get_eval_dataloader(self, eval_dataset: Any = None) -> Any:
+        return self._shard_by_dp(super().get_eval_dataloader(eval_dataset))
+
+    def get_test_dataloader(self, test_dataset: Any) -> Any:
+        return self._shard_by_dp(super().get_test_dataloader(test_dataset))
+
+    def _shard_by_dp(self, loader: Any) -> Any:
+        """Make accelerate's world sharding a DP-replica sharding (ranks of an SP group: same batches)."""
+        if self.sp_mesh.sp_size == 1:
+            return loader
+        if isinstance(loader, DataLoaderDispatcher):
+            raise ValueError(
+                "accelerate's dispatch_batches splits each batch over all processes, which would give the ranks of an "
+                "SP group different data; pass TrainingArguments(accelerator_config={'dispatch_batches': False})."
+            )
+        for shard in (getattr(loader, "batch_sampler", None), getattr(loader, "dataset", None)):
+            if isinstance(shard, (BatchSamplerShard, IterableDatasetShard)):
+                shard.num_processes, shard.process_index = self.sp_mesh.dp_size, self.sp_mesh.dp_rank
+        return loader
+
+    def _shard(self, batch: Mapping[str, Any]) -> ShardedBatch:
+        """Check a collated global ``(B, S)`` batch and cut this rank's ``(B, s)`` shard."""
+        if self._expects_position_ids and batch.get("position_ids") is None:
+            raise ValueError(
+                "the dataset rows carry position_ids (packed documents) or padding_free=True, but the collated batch "
+                "has none: without them documents would attend to each other. Use a collator that keeps position_ids "
+                "(e.g. DataCollatorWithFlattening, or TRL's collator with padding_free=True)."
+            )
+        if self.sp_mesh.sp_size > 1:
+            validate_same_batch(batch["input_ids"], self.sp_mesh.sp_group)
+        shard = self.ulysses.shard(batch)
+        shard[_GLOBAL_KEY] = {k: batch[k] for k in ("input_ids", "attention_mask") if k in batch}  # type: ignore[literal-required]
+        return shard
+
+    def get_batch_samples(
+        self, epoch_iterator: Iterator[Any], num_batches: int, device: torch.device
+    ) -> tuple[list[ShardedBatch], torch.Tensor | None]:
+        """The step's micro-batches as shards, and N: valid tokens of the whole step, all ranks."""
+        batches = []
+        for _ in range(num_batches):
+            try:
+                batches.append(next(epoch_iterator))
+            except StopIteration:
+                break
+        shards = [self._shard(self._prepare_inputs(batch)) for batch in batches]
+        if not shards:
+            return [], None
+        # every SP rank counts only its shard, so the sum over the world counts each token once
+        return shards, global_num_items([s["shift_labels"] for s in shards])
+
+    def _track_num_input_tokens(self, inputs: Mapping[str, Any]) -> None:
+        """Count the GLOBAL batch once per SP group (the Trainer gathers over all ranks)."""
+        before = self.state.num_input_tokens_seen
+        super()._track_num_input_tokens(inputs.get(_GLOBAL_KEY, inputs))  # type: ignore[misc]
+        self.state.num_input_tokens_seen = before + (self.state.num_input_tokens_seen - before) // self.sp_mesh.sp_size
+
+    def get_total_train_batch_size(self, args: Any) -> int:
+        """Sequences per optimizer step: per-replica batch x grad accumulation x DP replicas."""
+        return self._train_batch_size * args.gradient_accumulation_steps * self.sp_mesh.dp_size
+
+    # loss -------------------------------------------------------------------------------
+    def compute_loss(
+        self, model: torch.nn.Module, inputs: Mapping[str, Any], return_outputs: bool = False,
+        num_items_in_batch: torch.Tensor | int | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, Any]:
+        """This rank's share ``CE_sum / N * world`` of the step's global token-mean loss.
+
+        ``inputs`` is a shard from :meth:`get_batch_samples`; ``num_items_in_batch`` is N (counted
+        here over the world for this batch alone if not given).
+        """
+        if "ulysses_mask" not in inputs:
+            raise ValueError("UlyssesTrainer.compute_loss expects a shard from UlyssesTrainer._shard(batch), got a raw batch.")
+        if num_items_in_batch is None:
+            num_items_in_batch = global_num_items(inputs["shift_labels"])
+        loss = self.ulysses.forward_loss(model, inputs, num_items_in_batch, tile_tokens=self.sp_config.tiled_loss_tokens)
+        return (loss, None) if return_outputs else loss
+
+    def prediction_step(
+        self, model: torch.nn.Module, inputs: Mapping[str, Any], prediction_loss_only: bool,
+        ignore_keys: list[str] | None = None,
+    ) -> tuple[torch.Tensor | None, None, None]:
+        """The batch's token-mean loss (same on all SP ranks); logits stay sharded and are not returned."""
+        shard = self._shard(self._prepare_inputs(inputs))
+        group = self.sp_mesh.sp_group
+        with torch.no_grad(), self.compute_loss_context_manager():
+            num_items = global_num_items(shard["shift_labels"], group=group)
+            loss = self.ulysses.forward_loss(
+                model, shard, num_items, tile_tokens=self.sp_config.tiled_loss_tokens, grad_average_world=1
+            )
+            loss = reported_loss(loss, 1, group=group)
+        return loss, None, None
+
+    @property
+    def gather_function(self) -> Any:
+        """Eval gathering over DP replicas only (the SP ranks of a replica hold the same values)."""
+        return self._gather_over_dp if hasattr(self, "sp_mesh") and self.sp_mesh.sp_size > 1 else self._hf_gather
+
+    @gather_function.setter
+    def gather_function(self, value: Any) -> None:
+        self._hf_gather = value
+
+    def _gather_over_dp(self, tensor: torch.Tensor) -> torch.Tensor:
+        gathered = self.accelerator.gather(tensor.contiguous())
+        per_rank = gathered.reshape(self.sp_mesh.dp_size, self.sp_mesh.sp_size, *tensor.shape)
+        data = per_rank[:, 0].reshape(-1, *tensor.shape[1:])
+        state = self.accelerator.gradient_state
+        if state.end_of_dataloader and state.remainder > 0:  # accelerate's even_batches padding
+            data = data[: state.remainder]
+        return data
+
+    # saving ------------------------------------------------------------------------------
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Save with the model's own attention kernel and ``use_cache`` in its config."""
+        self.ulysses.unregister()
+        try:
+            super().save_model(output_dir, _internal_call)  # type: ignore[misc]
+        finally:
+            self.ulysses.register()
+
+
+class UlyssesTrainer(UlyssesTrainerMixin, Trainer):
+    """``transformers.Trainer`` with Ulysses sequence parallelism (see :class:`UlyssesTrainerMixin`)."""
+
+
+def _ensure_process_group(world_size: int) -> None:
+    """A one-process gloo group when the script runs without a launcher (``python train.py``)."""
+    if dist.is_initialized():
+        return
+    if world_size != 1:
+        raise ValueError(f"torch.distributed is not initialised for a world of {world_size}; launch with torchrun.")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+
+def _dataset_has_column(dataset: Any, name: str) -> bool:
+    """Whether the rows of a (map-style) dataset carry ``name``."""
+    columns = getattr(dataset, "column_names", None)
+    if columns is not None:
+        return name in columns
+    try:
+        row = dataset[0]
+    except Exception:  # iterable or empty datasets: nothing to check up front
+        return False
+    return isinstance(row, Mapping) and name in row
