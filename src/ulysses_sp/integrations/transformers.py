@@ -28,7 +28,7 @@ from ulysses_sp.attention.kernels import KERNELS
 from ulysses_sp.comm.mesh import SPMesh
 from ulysses_sp.data import ShardedBatch, shard_batch
 from ulysses_sp.loss import sp_token_loss, tiled_token_loss
-from ulysses_sp.memory import apply_tiled_mlp, remove_tiled_mlp
+from ulysses_sp.memory import ActivationOffload, apply_tiled_mlp, remove_tiled_mlp
 
 _KEY_PREFIX = "ulysses_sp"
 _counter = itertools.count()
@@ -105,7 +105,10 @@ class UlyssesSP:
             (``sdpa``, ``eager``, ``flex_attention``, ``flash_attention_2`` or ``flash_attention_3``).
         tiled_mlp_tokens: if set, while registered every dense MLP runs in sequence tiles of this
             many tokens, recomputed in backward (``ulysses_sp.memory.apply_tiled_mlp``); MoE blocks
-            are left as they are. ``state_dict`` keys do not change.
+            are tiled as whole blocks (router logits stay right). ``state_dict`` keys do not change.
+        offload_activations: if True, while registered the inputs of checkpointed layers live in
+            CPU memory between forward and backward (``ulysses_sp.memory.ActivationOffload``);
+            needs ``model.activation_checkpointing_enable()`` first.
 
     Raises:
         ValueError: at construction, naming every reason the model cannot be made sequence-parallel.
@@ -113,11 +116,12 @@ class UlyssesSP:
 
     def __init__(
         self, model: torch.nn.Module, mesh: SPMesh, attn_implementation: str | None = None,
-        tiled_mlp_tokens: int | None = None,
+        tiled_mlp_tokens: int | None = None, offload_activations: bool = False,
     ) -> None:
         if tiled_mlp_tokens is not None and (isinstance(tiled_mlp_tokens, bool) or tiled_mlp_tokens < 1):
             raise ValueError(f"tiled_mlp_tokens must be a positive number of tokens or None, got {tiled_mlp_tokens!r}.")
         self.tiled_mlp_tokens = tiled_mlp_tokens
+        self.offload = ActivationOffload(model) if offload_activations else None
         self.model = model
         self.base = _base_model(model)
         self.mesh = mesh
@@ -140,6 +144,8 @@ class UlyssesSP:
         """Route the model's attention through Ulysses (idempotent). Sets ``use_cache=False``."""
         if self._saved is not None:
             return self
+        if self.offload is not None:  # first: raises (no checkpointing) before anything is changed
+            self.offload.register()
         AttentionInterface.register(self.key, self._attention_forward)
         config = self.base.config
         self._saved = (config._attn_implementation, config.use_cache)
@@ -156,6 +162,8 @@ class UlyssesSP:
         implementation, use_cache = self._saved
         if self.tiled_mlp_tokens is not None:
             remove_tiled_mlp(self.base)
+        if self.offload is not None:
+            self.offload.unregister()
         self.base.set_attn_implementation(implementation)
         self.base.config.use_cache = use_cache
         AttentionInterface._global_mapping.pop(self.key, None)
