@@ -1,0 +1,283 @@
+"""Ring attention: exact attention over a sequence sharded across P ranks, by passing k/v blocks.
+
+Shape legend: B batch, S global sequence, s local shard (S/P), P ring size, N query heads,
+K kv heads, H q/k head dim, Hv v head dim, r this rank.
+
+Forward, rank r (P steps; block t is the k/v shard of source rank (r - t) mod P)::
+
+    q_r (B,N,s,H)   k,v (B,K,s,H)
+    t = 0 .. P-1:   start send of the k|v block I hold to r+1, receive the next one from r-1
+                    (one batch_isend_irecv, P-1 times; overlapped with the block below)
+                    o_t, lse_t = kernel(q_r, k_t, v_t, block mask)   one kernel call per block
+                    o, lse     = log-sum-exp merge of (o, lse) and (o_t, lse_t)
+    o (B,s,N,Hv)
+
+Backward (custom autograd, exact): the same ring again for k/v, plus a second ring that carries
+each block's dk/dv accumulator (fp32) one hop behind it; the P-th hop returns it to its owner::
+
+    t = 0 .. P-1:   dq   += dQ(q_r, k_t, v_t; o, lse, do)      with the GLOBAL o and lse
+                    dkv_t += dK, dV of the same block           then send dkv_t to r+1
+
+Blocks a causal mask hides completely (source after r) are skipped. Contiguous shards leave
+the causal work unbalanced (rank P-1 computes P blocks, rank 0 one); see docs/bench.md.
+Kernels per block: PyTorch's fused CPU flash kernel (plain causal/full blocks, CPU) or an
+explicit fp32 softmax (any device; packed documents, padding, sliding window).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from ulysses_sp.attention.masks import GlobalMask
+
+_NEG_INF = float("-inf")
+
+
+def _block_mask(
+    mask: GlobalMask, row0: int, col0: int, s: int, window: int | None, device: torch.device
+) -> tuple[torch.Tensor | None, bool]:
+    """Who may attend in the block of query rows ``[row0, row0+s)`` x key cols ``[col0, col0+s)``.
+
+    Returns ``(allowed, causal_diag)``: ``allowed`` is ``(B or 1, 1, s, s)`` bool (same rule as
+    ``GlobalMask.dense``: padding queries see only themselves) or ``None`` when the block is
+    either fully visible (``causal_diag=False``) or the plain causal diagonal (``True``).
+    """
+    if window is None and mask.document_ids is None and mask.valid is None:
+        if not mask.causal or col0 < row0:
+            return None, False
+        if col0 == row0:
+            return None, True
+    i = torch.arange(row0, row0 + s, device=device)[:, None]
+    j = torch.arange(col0, col0 + s, device=device)[None, :]
+    allowed = torch.ones(1, s, s, dtype=torch.bool, device=device)
+    if mask.causal:
+        allowed = allowed & (j <= i)
+    if window is not None:
+        allowed = allowed & (i - j < window)
+    if mask.document_ids is not None:
+        doc = mask.document_ids.to(device)
+        allowed = allowed & (doc[:, row0 : row0 + s, None] == doc[:, None, col0 : col0 + s])
+    if mask.valid is not None:
+        valid = mask.valid.to(device)
+        own = (i == j) & ~valid[:, row0 : row0 + s, None]
+        allowed = (allowed & valid[:, None, col0 : col0 + s]) | own
+    return allowed[:, None], False
+
+
+def _expand(x_BKsH: torch.Tensor, N: int) -> torch.Tensor:
+    K = x_BKsH.shape[1]
+    return x_BKsH if K == N else x_BKsH.repeat_interleave(N // K, dim=1)
+
+
+def _reduce_heads(g_BNsH: torch.Tensor, K: int) -> torch.Tensor:
+    B, N, s, H = g_BNsH.shape
+    return g_BNsH if K == N else g_BNsH.view(B, K, N // K, s, H).sum(2)
+
+
+def _block_forward(q, k, v, allowed, causal_diag: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block: ``o (B,N,s,Hv)`` fp32 and ``lse (B,N,s)`` fp32 (``-inf`` for rows with no key)."""
+    k, v = _expand(k, q.shape[1]), _expand(v, q.shape[1])
+    if allowed is None and q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16):
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal_diag, scale=scale)
+        return o.float(), lse
+    scores = torch.matmul(q.float(), k.float().transpose(2, 3)) * scale
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, _NEG_INF)
+    elif causal_diag:
+        scores = scores.masked_fill(torch.ones_like(scores[0, 0], dtype=torch.bool).triu(1), _NEG_INF)
+    lse = torch.logsumexp(scores, dim=-1)
+    p = torch.exp(scores - lse.masked_fill(lse == _NEG_INF, 0.0)[..., None])
+    return torch.matmul(p, v.float()), lse
+
+
+def _block_backward(do, q, k, v, o, lse, allowed, causal_diag: bool, scale: float):
+    """Grads of one block given the GLOBAL output ``o`` and ``lse``: ``dq (B,N,s,H)``, ``dk, dv (B,K,s,.)``."""
+    K, N = k.shape[1], q.shape[1]
+    ke, ve = _expand(k, N), _expand(v, N)
+    if allowed is None and q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16):
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            do, q, ke, ve, o, lse, 0.0, causal_diag, scale=scale
+        )
+        return dq.float(), _reduce_heads(dk.float(), K), _reduce_heads(dv.float(), K)
+    qf, kf, vf, dof = q.float(), ke.float(), ve.float(), do.float()
+    scores = torch.matmul(qf, kf.transpose(2, 3)) * scale
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, _NEG_INF)
+    elif causal_diag:
+        scores = scores.masked_fill(torch.ones_like(scores[0, 0], dtype=torch.bool).triu(1), _NEG_INF)
+    p = torch.exp(scores - lse.masked_fill(lse == _NEG_INF, 0.0)[..., None])
+    dv = torch.matmul(p.transpose(2, 3), dof)
+    dp = torch.matmul(dof, vf.transpose(2, 3))
+    ds = p * (dp - (dof * o.float()).sum(-1, keepdim=True)) * scale
+    return torch.matmul(ds, kf), _reduce_heads(torch.matmul(ds.transpose(2, 3), qf), K), _reduce_heads(dv, K)
+
+
+class _Ring:
+    """Neighbour exchange on the ring of ``group``: send to r+1, receive from r-1 (one P2P batch)."""
+
+    def __init__(self, group: ProcessGroup | None) -> None:
+        self.group = group
+        self.size = 1 if group is None else dist.get_world_size(group)
+        self.rank = 0 if group is None else dist.get_rank(group)
+        if self.size > 1:
+            self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
+            self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
+
+    def start(self, send: torch.Tensor) -> tuple[torch.Tensor, list]:
+        recv = torch.empty_like(send)
+        ops = [dist.P2POp(dist.isend, send, self.next, self.group), dist.P2POp(dist.irecv, recv, self.prev, self.group)]
+        return recv, dist.batch_isend_irecv(ops)
+
+
+def _pack(*tensors: torch.Tensor) -> torch.Tensor:
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def _unpack(buf: torch.Tensor, like: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+    out, off = [], 0
+    for t in like:
+        out.append(buf[off : off + t.numel()].view(t.shape))
+        off += t.numel()
+    return out
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, mask: GlobalMask, ring: _Ring, scale: float, window):
+        P, r, s = ring.size, ring.rank, q.shape[2]
+        buf = _pack(k, v)
+        o = lse = None
+        for t in range(P):
+            src = (r - t) % P
+            pending = ring.start(buf) if t < P - 1 else None
+            if not (mask.causal and src > r):
+                kt, vt = _unpack(buf, (k, v))
+                allowed, diag = _block_mask(mask, r * s, src * s, s, window, q.device)
+                if allowed is None or bool(allowed.any()):
+                    o_t, lse_t = _block_forward(q, kt, vt, allowed, diag, scale)
+                    o, lse = (o_t, lse_t) if o is None else _merge(o, lse, o_t, lse_t)
+            if pending is not None:
+                [w.wait() for w in pending[1]]
+                buf = pending[0]
+        out = o.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.ring, ctx.mask, ctx.scale, ctx.window = ring, mask, scale, window
+        return out
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, out, lse = ctx.saved_tensors
+        ring, mask, scale, window = ctx.ring, ctx.mask, ctx.scale, ctx.window
+        P, r, s = ring.size, ring.rank, q.shape[2]
+        do = do.contiguous()
+        buf = _pack(k, v)
+        dkv = torch.zeros(k.numel() + v.numel(), dtype=torch.float32, device=q.device)
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        for t in range(P):
+            src = (r - t) % P
+            pending = ring.start(buf) if t < P - 1 else None
+            if not (mask.causal and src > r):
+                kt, vt = _unpack(buf, (k, v))
+                allowed, diag = _block_mask(mask, r * s, src * s, s, window, q.device)
+                if allowed is None or bool(allowed.any()):
+                    g = _block_backward(do, q, kt, vt, out, lse, allowed, diag, scale)
+                    dq += g[0]
+                    dk_t, dv_t = _unpack(dkv, (k, v))
+                    dk_t += g[1]
+                    dv_t += g[2]
+            if P > 1:  # the accumulator of the block I hold goes one hop on; the P-th hop reaches its owner
+                dkv_next, works = ring.start(dkv)
+                [w.wait() for w in works + (pending[1] if pending else [])]
+                dkv = dkv_next
+                buf = pending[0] if pending else buf
+        dk, dv = _unpack(dkv, (k, v))
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+
+
+def _merge(o, lse, o_t, lse_t):
+    """Log-sum-exp merge of two partial softmax results (rows with no key so far have lse -inf)."""
+    new = torch.logaddexp(lse, lse_t)
+    safe = new.masked_fill(new == _NEG_INF, 0.0)
+    return o * torch.exp(lse - safe)[..., None] + o_t * torch.exp(lse_t - safe)[..., None], new
+
+
+class RingAttention:
+    """Ring attention over a sequence sharded across ``sp_group``; same call contract as ``UlyssesAttention``.
+
+    Args:
+        sp_group: the sequence-parallel process group; ``None`` means one process (one block).
+
+    Masks: causal, packed documents, padding and sliding window from the ``GlobalMask``; no
+    softcapping and no attention dropout. Heads are never split, so any ``N``, ``K`` and ``P`` work.
+    Per call: ``P-1`` k/v exchanges forward; ``P-1`` k/v plus ``P`` dk/dv (fp32) exchanges backward.
+    The first call checks with one small all-gather that all ranks pass the same shapes and dtype.
+    """
+
+    def __init__(self, sp_group: ProcessGroup | None) -> None:
+        self.ring = _Ring(sp_group)
+        self.sp_size = self.ring.size
+        self.sp_rank = self.ring.rank
+        self._validated = False
+
+    def __call__(
+        self,
+        q_BNsH: torch.Tensor,
+        k_BKsH: torch.Tensor,
+        v_BKsH: torch.Tensor,
+        mask: GlobalMask | None = None,
+        *,
+        scaling: float | None = None,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
+        dropout: float = 0.0,
+    ) -> torch.Tensor:
+        """``q (B,N,s,H)``, ``k (B,K,s,H)``, ``v (B,K,s,Hv)`` of my tokens -> ``o (B,s,N,Hv)``.
+
+        ``mask`` is the GLOBAL mask (length ``S = s * P``); ``None`` means plain causal.
+        """
+        if softcap is not None or dropout:
+            raise ValueError(
+                "RingAttention has no logit softcapping and no attention dropout; use UlyssesAttention with "
+                "'eager' / 'flex_attention' for softcapped models and set attention_dropout=0."
+            )
+        if not self._validated:
+            self._validate(q_BNsH, k_BKsH, v_BKsH)
+        s = q_BNsH.shape[2]
+        S = s * self.sp_size
+        mask = GlobalMask(S) if mask is None else mask
+        if mask.seq_len != S:
+            raise ValueError(
+                f"the mask covers {mask.seq_len} tokens but {self.sp_size} shards of {s} make {S}; every rank "
+                "must hold S/P tokens (shard batches with ulysses_sp.data.shard_batch, which pads S)."
+            )
+        scale = scaling if scaling is not None else 1.0 / math.sqrt(q_BNsH.shape[-1])
+        o = _RingAttention.apply(q_BNsH.contiguous(), k_BKsH.contiguous(), v_BKsH.contiguous(), mask, self.ring, scale,
+                                 sliding_window)
+        return o.transpose(1, 2)
+
+    def _validate(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        N, K = q.shape[1], k.shape[1]
+        if N % K or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2] or k.shape[:3] != v.shape[:3]:
+            raise ValueError(
+                f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: expected (B, N, s, H), (B, K, s, H), "
+                "(B, K, s, Hv) with N a multiple of K."
+            )
+        if not (q.dtype == k.dtype == v.dtype):
+            raise ValueError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}; cast them first.")
+        if self.sp_size > 1:
+            sig = torch.tensor([*q.shape, *k.shape, v.shape[3], q.element_size(), int(q.is_floating_point())])
+            if dist.get_backend(self.ring.group) == "nccl":
+                sig = sig.to(q.device)
+            table = [torch.empty_like(sig) for _ in range(self.sp_size)]
+            dist.all_gather(table, sig, group=self.ring.group)
+            rows = {tuple(t.tolist()) for t in table}
+            if len(rows) != 1:
+                raise ValueError(
+                    f"ranks of the ring passed different attention inputs (B, N, s, H, B, K, s, H, Hv, itemsize, float): "
+                    f"{sorted(rows)}; every rank must hold an equal slice of the same batch in one dtype."
+                )
+        self._validated = True

@@ -1,0 +1,115 @@
+"""RingAttention on P gloo processes against a float64 single-process reference on the full sequence.
+
+Each rank feeds its contiguous shard of the same q, k, v (same seed everywhere); the reference
+is the definition of attention (dense scores, explicit mask built by loops, float64). Compared:
+the output and the gradients of q, k and v under a random output gradient.
+"""
+
+import pytest
+import torch
+
+from ulysses_sp import GlobalMask, SPMesh
+from ulysses_sp.attention import RingAttention
+from ulysses_sp.comm import launch
+
+B, S, H = 2, 12, 8
+# row 0: documents of length 5, 4, 3; row 1: 7, 5
+POSITIONS = torch.tensor([list(range(5)) + list(range(4)) + list(range(3)), list(range(7)) + list(range(5))])
+VALID = torch.tensor([[1] * 9 + [0] * 3, [0] * 2 + [1] * 10], dtype=torch.bool)  # right / left padding
+MASKS = {"causal": (False, False, None), "docs": (True, False, None), "padding": (False, True, None),
+         "window": (False, False, 5), "docs+padding+window": (True, True, 4)}
+
+
+def allowed_reference(docs, padding, window):
+    """(B, S, S) bool from explicit loops, independent of GlobalMask and of ring.py."""
+    doc = [[sum(1 for t in range(1, i + 1) if POSITIONS[b, t] == 0) for i in range(S)] for b in range(B)]
+    out = torch.zeros(B, S, S, dtype=torch.bool)
+    for b in range(B):
+        for i in range(S):
+            for j in range(S):
+                ok = j <= i and (window is None or i - j < window)
+                ok = ok and (not docs or doc[b][i] == doc[b][j]) and (not padding or bool(VALID[b, j]))
+                out[b, i, j] = (i == j) if padding and not VALID[b, i] else ok
+    return out
+
+
+def make_case(N, K, seed, padding):
+    """q, k, v and an output gradient g; padding queries get g = 0 (the loss ignores them, and
+    their outputs are undefined: each mask implementation may let them see different keys)."""
+    gen = torch.Generator().manual_seed(seed)
+    g = torch.randn(B, S, N, H, generator=gen)
+    return {"q": torch.randn(B, N, S, H, generator=gen), "k": torch.randn(B, K, S, H, generator=gen),
+            "v": torch.randn(B, K, S, H, generator=gen), "g": g * VALID[:, :, None, None] if padding else g}
+
+
+def reference(case, mask_name):
+    docs, padding, window = MASKS[mask_name]
+    q, k, v = (case[n].double().requires_grad_() for n in ("q", "k", "v"))
+    rep = q.shape[1] // k.shape[1]
+    scores = q @ k.repeat_interleave(rep, 1).transpose(2, 3) / H**0.5
+    scores = scores.masked_fill(~allowed_reference(docs, padding, window)[:, None], float("-inf"))
+    o = (torch.softmax(scores, -1) @ v.repeat_interleave(rep, 1)).transpose(1, 2)
+    (o * case["g"].double()).sum().backward()
+    return o.detach(), q.grad, k.grad, v.grad
+
+
+def run_ring(case, mask_name, mesh, dtype):
+    docs, padding, window = MASKS[mask_name]
+    s = S // mesh.sp_size
+    sl = slice(mesh.sp_rank * s, (mesh.sp_rank + 1) * s)
+    mask = GlobalMask(S, True, GlobalMask.from_position_ids(POSITIONS).document_ids if docs else None,
+                      VALID if padding else None)
+    q, k, v = (case[n][:, :, sl].to(dtype).requires_grad_() for n in ("q", "k", "v"))
+    o = RingAttention(mesh.sp_group if mesh.sp_size > 1 else None)(q, k, v, mask, sliding_window=window)
+    (o * case["g"][:, sl].to(dtype)).sum().backward()
+    return o, q.grad, k.grad, v.grad
+
+
+# fp32 against float64: scores, exp and the log-sum-exp merge each round to ~1e-7 relative, and
+# sums run over <= 12 keys and 8 head dims of O(1) values, so errors stay ~1e-6; 2e-5 leaves a
+# wide margin while a wrong block, mask or merge gives O(0.1) differences.
+FP32_TOL = dict(rtol=2e-5, atol=2e-5)
+# bf16 inputs (8-bit mantissa, eps 3.9e-3), fp32 math inside: the inputs' rounding alone moves
+# scores of size ~3 by ~1e-2, so 5e-2 on O(1) outputs and grads.
+BF16_TOL = dict(rtol=5e-2, atol=5e-2)
+
+
+def _worker(rank, world, cases):
+    mesh = SPMesh.from_world(world)
+    s = S // world
+    sl = slice(rank * s, (rank + 1) * s)
+    for N, K, mask_name, dtype in cases:
+        case = make_case(N, K, N * 10 + K, MASKS[mask_name][1])
+        ref = reference(case, mask_name)
+        got = run_ring(case, mask_name, mesh, dtype)
+        tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
+        for name, a, b, dim in zip(("o", "dq", "dk", "dv"), got, ref, (1, 2, 2, 2)):
+            b = b.narrow(dim, sl.start, s)
+            if name == "o" and MASKS[mask_name][1]:  # padding queries' outputs are undefined; compare real ones
+                a, b = a[VALID[:, sl]], b[VALID[:, sl]]
+            try:
+                torch.testing.assert_close(a.double(), b, **tol)
+            except AssertionError as e:
+                raise AssertionError(f"P={world} N={N} K={K} mask={mask_name} {dtype} {name}: {e}") from e
+
+
+ALL_MASKS = [(8, 2, m, torch.float32) for m in MASKS] + [(4, 4, "causal", torch.float32), (4, 1, "docs", torch.float32)]
+CASES = {1: [(8, 2, "causal", torch.float32), (8, 2, "docs+padding+window", torch.float32)],
+         2: ALL_MASKS + [(8, 2, "causal", torch.bfloat16)],
+         3: ALL_MASKS,
+         4: [(8, 2, "causal", torch.float32), (4, 1, "docs+padding+window", torch.float32)]}
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_ring_attention_matches_single_process(world):
+    """Catches a wrong block order or source rank, a bad log-sum-exp merge, a skipped or extra
+    block under causal / document / padding / window masks, GQA head grouping errors, and a
+    backward whose dk/dv accumulators miss a hop or return to the wrong owner."""
+    launch.spawn(_worker, world, CASES[world], preload=["ulysses_sp.attention"])
+
+
+def test_ring_attention_refuses_softcap():
+    """Catches silently ignoring logit softcapping (a model using it would train on wrong attention)."""
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(ValueError, match="softcapping"):
+        RingAttention(None)(q, q, q, softcap=1.0)
