@@ -1,0 +1,148 @@
+"""UlyssesTrainer (transformers.Trainer + Ulysses SP) against the plain Trainer in one process.
+
+The parity runs launch ``examples/trainer_train.py`` through ``torchrun --standalone`` as users do;
+the refusal tests build trainers on a spawned gloo world (``dist_helper.spawn``).
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from dist_helper import spawn
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "trainer_train.py"
+
+
+def run_example(nproc: int, tmp: Path, name: str, *args: str) -> list[dict]:
+    log = tmp / f"{name}.jsonl"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), str(EXAMPLE),
+           "--output-dir", str(tmp / name), "--log-file", str(log), *args]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-4000:]
+    return [json.loads(line) for line in log.read_text().splitlines()]
+
+
+def step_logs(records: list[dict]) -> dict[int, dict]:
+    return {r["step"]: r for r in records if "loss" in r}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """SP=2 on 2 ranks (checkpoint at step 2) and the plain Trainer on 1 process, same data:
+    3 optimizer steps of 2 micro-batches of 2 variable-length, right-padded rows, then evaluate()."""
+    tmp = tmp_path_factory.mktemp("trainer")
+    sp = run_example(2, tmp, "sp2", "--sp-size", "2", "--eval", "--save-steps", "2")
+    plain = run_example(1, tmp, "plain", "--plain", "--eval")
+    return tmp, sp, plain
+
+
+def test_sp2_matches_plain_trainer_step_by_step(runs):
+    """Catches a wrong loss scale (Trainer's GA division or world scaling applied on top of ours),
+    SP ranks reading different data or the world sharding data, targets lost at shard borders, and
+    padding counted as tokens: any of them changes the logged loss or grad_norm from step 1 on."""
+    _, sp, plain = runs
+    sp_steps, plain_steps = step_logs(sp), step_logs(plain)
+    assert sorted(sp_steps) == [1, 2, 3] == sorted(plain_steps)
+    for step in (1, 2, 3):
+        # fp32, only the summation order differs (sharded attention, gradient all-reduce): ~1e-7
+        # relative per step; AdamW's normalised updates keep 3 steps well inside 1e-5
+        assert sp_steps[step]["loss"] == pytest.approx(plain_steps[step]["loss"], rel=1e-5)
+        assert sp_steps[step]["grad_norm"] == pytest.approx(plain_steps[step]["grad_norm"], rel=1e-5)
+
+
+def test_sp2_counts_steps_epochs_and_tokens_once_per_group(runs):
+    """Catches SP ranks counted as extra data: a world-sharded dataloader halves the steps per epoch
+    (epoch doubles) and num_input_tokens_seen gathered over all ranks doubles."""
+    _, sp, plain = runs
+    for key in ("epoch", "num_input_tokens_seen"):
+        assert [r[key] for r in step_logs(sp).values()] == [r[key] for r in step_logs(plain).values()]
+    summary_sp = next(r for r in sp if r.get("summary"))
+    summary_plain = next(r for r in plain if r.get("summary"))
+    for key in ("global_step", "max_steps", "num_train_epochs", "epoch", "num_input_tokens_seen"):
+        assert summary_sp[key] == summary_plain[key]
+    train_sp = next(r for r in sp if "train_loss" in r)
+    train_plain = next(r for r in plain if "train_loss" in r)
+    assert train_sp["train_loss"] == pytest.approx(train_plain["train_loss"], rel=1e-5)
+
+
+def test_sp2_eval_loss_matches_plain_trainer(runs):
+    """Catches an eval loss that is one rank's shard mean (not the batch's token mean) or that
+    double-counts / truncates batches when gathering duplicates from SP ranks (6 rows, batch 2)."""
+    _, sp, plain = runs
+    eval_sp = next(r for r in sp if "eval_loss" in r)
+    eval_plain = next(r for r in plain if "eval_loss" in r)
+    # fp32 forward only, summation order differs: ~1e-7 relative
+    assert eval_sp["eval_loss"] == pytest.approx(eval_plain["eval_loss"], rel=1e-5)
+
+
+def test_sp2_resume_from_checkpoint_continues_identically(runs):
+    """Catches a resume that replays or skips data (world-sharded skip), loses optimizer / scheduler
+    state, or a checkpoint saved with our attention key: step 3 after resuming from step 2 must
+    give the uninterrupted run's loss. The saved config keeps the model's own attention kernel."""
+    tmp, sp, _ = runs
+    checkpoint = tmp / "sp2" / "checkpoint-2"
+    assert "ulysses" not in (checkpoint / "config.json").read_text()
+    resumed = step_logs(run_example(2, tmp, "resumed", "--sp-size", "2", "--resume-from", str(checkpoint)))
+    assert sorted(resumed) == [3]
+    # same fp32 computation on the same ranks after reloading exact weights and optimizer state
+    assert resumed[3]["loss"] == pytest.approx(step_logs(sp)[3]["loss"], rel=1e-6)
+    assert resumed[3]["grad_norm"] == pytest.approx(step_logs(sp)[3]["grad_norm"], rel=1e-6)
+
+
+# refusals ---------------------------------------------------------------------------------
+def _collate(rows):
+    ids = torch.tensor([r["input_ids"] for r in rows])
+    batch = {"input_ids": ids, "labels": ids.clone()}
+    if "position_ids" in rows[0]:
+        batch["position_ids"] = torch.tensor([r["position_ids"] for r in rows])
+    return batch
+
+
+def _drop_position_ids(rows):
+    return {k: v for k, v in _collate(rows).items() if k != "position_ids"}
+
+
+def _trainer(tmp, sp_size, heads=4, collator=_collate, train_rows=None, eval_rows=None, **kwargs):
+    from datasets import Dataset
+    from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
+
+    from ulysses_sp.config import UlyssesSPConfig
+    from ulysses_sp.integrations.trainer import UlyssesTrainer
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=heads, num_key_value_heads=1))
+    args = TrainingArguments(output_dir=str(tmp), max_steps=1, per_device_train_batch_size=1, report_to="none",
+                             use_cpu=True, ddp_backend="gloo", save_strategy="no")
+    rows = train_rows or [{"input_ids": list(range(1, 9)), "position_ids": [0, 1, 2, 0, 1, 2, 3, 4]}] * 4
+    return UlyssesTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows), data_collator=collator,
+                          eval_dataset=Dataset.from_list(eval_rows) if eval_rows else None,
+                          sp_config=UlyssesSPConfig(sp_size=sp_size), **kwargs)
+
+
+def _refusals(rank, world, tmp):
+    with pytest.raises(ValueError, match="sp_size=3 does not divide the world size 2"):
+        _trainer(tmp, sp_size=3)
+    with pytest.raises(ValueError, match="sp_size 2 > num_attention_heads 1"):
+        _trainer(tmp, sp_size=2, heads=1)
+    with pytest.raises(ValueError, match="compute_metrics needs full-sequence logits"):
+        _trainer(tmp, sp_size=2, compute_metrics=lambda p: {})
+    with pytest.raises(ValueError, match="collated batch has none"):
+        _trainer(tmp, sp_size=2, collator=_drop_position_ids).train()
+    # rank 1 evaluates a longer sequence than rank 0: the SP group would not share one batch
+    rows = [{"input_ids": list(range(1, 8 + 2 * rank))}]
+    with pytest.raises(ValueError, match="same batch"):
+        _trainer(tmp, sp_size=2, train_rows=rows, eval_rows=rows).evaluate()
+
+
+def test_bad_configurations_raise_before_training(tmp_path):
+    """Catches settings that would silently train something else or hang on gloo: sp_size not
+    dividing the world, a model with fewer heads than sp_size, compute_metrics on sharded logits,
+    a collator dropping the position_ids of packed rows (documents would attend to each other), and
+    an eval batch that differs between the SP ranks."""
+    spawn(_refusals, 2, tmp_path)
