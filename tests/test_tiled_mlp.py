@@ -36,6 +36,7 @@ def llama_loss_and_grads(tile_tokens=None, checkpointing=None, freeze=()):
     model.train()
     if tile_tokens is not None:
         assert apply_tiled_mlp(model, tile_tokens) == model.config.num_hidden_layers
+        assert type(model.model.layers[1].mlp).__name__ == "TiledMoE"
     ids = torch.randint(1, 128, (2, S), generator=torch.Generator().manual_seed(0))
     loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
@@ -167,3 +168,117 @@ def test_input_without_grad_and_inference():
     torch.testing.assert_close(got, ref, **TOL)
     with torch.no_grad():
         torch.testing.assert_close(tiled(x), mlp(x), **TOL)
+
+
+# ---- MoE blocks (router + experts tiled whole) -------------------------------------------------
+MOE_COMMON = dict(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, output_router_logits=True,
+                  router_aux_loss_coef=0.5)
+
+
+def moe_model(family):
+    import transformers as tf
+
+    if family == "mixtral":
+        config = tf.MixtralConfig(**MOE_COMMON, num_local_experts=4, num_experts_per_tok=2)
+    elif family == "qwen2_moe":  # shared expert + its sigmoid gate; layer 0 dense (mlp_only_layers)
+        config = tf.Qwen2MoeConfig(**MOE_COMMON, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+                                   shared_expert_intermediate_size=40, mlp_only_layers=[0])
+    else:
+        config = tf.Qwen3MoeConfig(**MOE_COMMON, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+                                   head_dim=8, norm_topk_prob=True)
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.2)
+    return model.train()
+
+
+def moe_run(family, tile_tokens=None, checkpointing=False):
+    model = moe_model(family)
+    if checkpointing:
+        model.activation_checkpointing_enable()
+    if tile_tokens is not None:
+        assert apply_tiled_mlp(model, tile_tokens) == model.config.num_hidden_layers
+        assert type(model.model.layers[1].mlp).__name__ == "TiledMoE"
+    ids = torch.randint(1, 128, (2, S), generator=torch.Generator().manual_seed(0))
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    grads = {n.replace(".mlp.mlp.", ".mlp."): p.grad for n, p in model.named_parameters()}
+    return out, grads
+
+
+@pytest.mark.parametrize("family,checkpointing", [("mixtral", False), ("qwen2_moe", True), ("qwen3_moe", False)])
+def test_moe_loss_aux_loss_router_logits_and_grads_match_untiled(family, checkpointing):
+    """Catches router logits recorded once per tile or without a grad path (aux loss gradient to
+    the router lost: the gate weight grad would differ), rows of the (B*S, E) logits in the wrong
+    order (tile boundaries crossing batch rows), a dropped last tile, and expert grads counted
+    twice. Tiles of 2*4 rows do not divide B*S = 46."""
+    ref, ref_grads = moe_run(family)
+    got, grads = moe_run(family, tile_tokens=4, checkpointing=checkpointing)
+    assert len(got.router_logits) == len(ref.router_logits)  # one (B*S, E) tensor per MoE layer, not per tile
+    for r, g in zip(ref.router_logits, got.router_logits):
+        assert g.shape == r.shape == (2 * S, 4) and g.requires_grad
+        torch.testing.assert_close(g, r, **TOL)
+    torch.testing.assert_close(got.aux_loss, ref.aux_loss, **TOL)
+    torch.testing.assert_close(got.loss, ref.loss, **TOL)
+    assert ref_grads.keys() == grads.keys()
+    for name, g in ref_grads.items():
+        assert (g is None) == (grads[name] is None), name
+        if g is not None:
+            torch.testing.assert_close(grads[name], g, **TOL, msg=name)
+    assert ref_grads["model.layers.1.mlp.gate.weight"].abs().sum() > 0  # router grads are really compared
+
+
+def test_moe_tiles_run_keys_kept_and_router_jitter_refused():
+    """Catches a tiled MoE that silently runs untiled (the experts must see tile-sized inputs),
+    changed state_dict keys (e.g. the router registered twice), and jitter noise (random, not
+    recomputable) accepted."""
+    from ulysses_sp.memory import TiledMoE
+
+    model = moe_model("mixtral")
+    keys = list(model.state_dict())
+    apply_tiled_mlp(model, 3)
+    assert list(model.state_dict()) == keys
+    sizes = []
+    model.model.layers[0].mlp.mlp.experts.register_forward_pre_hook(lambda m, a: sizes.append(a[0].shape[0]))
+    model(input_ids=torch.ones(2, 10, dtype=torch.long))
+    assert sizes == [6, 6, 6, 2]  # 20 tokens in tiles of B*3 = 6 rows
+    block = moe_model("mixtral").model.layers[0].mlp
+    block.jitter_noise = 0.1
+    with pytest.raises(ValueError, match="jitter"):
+        TiledMoE(block, 4)
+
+
+def _ddp_moe_worker(rank, world):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    def batch(r):  # different lengths per rank -> different tile counts (6 and 9 tiles of 2*4 rows)
+        return torch.randint(1, 128, (2, 23 + 12 * r), generator=torch.Generator().manual_seed(r))
+
+    ref = moe_model("mixtral")
+    sum(ref(input_ids=batch(r), labels=batch(r)).loss for r in range(world)).div(world).backward()
+    model = moe_model("mixtral")
+    apply_tiled_mlp(model, 4)
+    ddp = DDP(model)
+    calls = []
+    expert = model.model.layers[0].mlp.mlp.experts.gate_up_proj
+    expert.register_post_accumulate_grad_hook(lambda p: calls.append(1))
+    ddp(input_ids=batch(rank), labels=batch(rank)).loss.backward()
+    assert len(calls) == 1  # accumulated once per backward, not once per tile
+    for (name, p), r in zip(model.named_parameters(), ref.parameters()):
+        # DDP's bucketed all-reduce vs one-process sum: fp32 summation order only
+        torch.testing.assert_close(p.grad, r.grad, rtol=1e-4, atol=1e-5, msg=name)
+    dist.barrier()
+
+
+def test_moe_under_ddp_different_tile_counts_per_rank():
+    """Catches a deadlock or wrong reduction when DDP ranks run different numbers of MoE tiles
+    (a collective per tile would hang; grads accumulated per tile would trigger DDP's reduction
+    hooks more than once) and averaged grads differing from one process on both ranks' batches."""
+    from dist_helper import spawn
+
+    spawn(_ddp_moe_worker, 2)

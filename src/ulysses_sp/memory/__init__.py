@@ -5,10 +5,15 @@ Main entry points:
                                           tiles and is recomputed in backward; returns how many
     remove_tiled_mlp(model)               undo it
     TiledMLP(mlp, tile_tokens)            the module wrapper; TiledMLPFunction the autograd function
+    TiledMoE(block, tile_tokens)          the MoE-block wrapper (router logits kept exact)
     ActivationOffload(model)              checkpointed layer inputs go to host memory (register())
 """
 
 from ulysses_sp.memory.offload import ActivationOffload, OffloadStats
 from ulysses_sp.memory.tiled_mlp import TiledMLP, TiledMLPFunction, apply_tiled_mlp, remove_tiled_mlp
+from ulysses_sp.memory.tiled_moe import TiledMoE, TiledTokensFunction
 
-__all__ = ["ActivationOffload", "OffloadStats", "TiledMLP", "TiledMLPFunction", "apply_tiled_mlp", "remove_tiled_mlp"]
+__all__ = [
+    "ActivationOffload", "OffloadStats", "TiledMLP", "TiledMLPFunction", "TiledMoE", "TiledTokensFunction",
+    "apply_tiled_mlp", "remove_tiled_mlp",
+]

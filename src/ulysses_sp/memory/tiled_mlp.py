@@ -83,7 +83,7 @@ def _call(fn: Callable, x: torch.Tensor) -> torch.Tensor:
     if not isinstance(y, torch.Tensor):
         raise TypeError(
             f"tiled MLP: the wrapped MLP returned {type(y).__name__}, not one tensor; only token-wise "
-            "MLPs returning a single tensor can be tiled (exclude MoE blocks from apply_tiled_mlp)."
+            "MLPs returning a single tensor can be tiled (MoE blocks: use TiledMoE)."
         )
     return y
 
@@ -126,20 +126,33 @@ def _add_wrapper_keys(module, state_dict, prefix, *args) -> None:
 
 
 def _is_tileable(mlp: object) -> bool:
-    """A dense token-wise MLP: MoE blocks (``experts``) route and record router logits, so are skipped."""
-    return isinstance(mlp, nn.Module) and not isinstance(mlp, TiledMLP) and not hasattr(mlp, "experts")
+    return isinstance(mlp, nn.Module) and not isinstance(mlp, TiledMLP)
+
+
+def is_moe_block(mlp: nn.Module) -> bool:
+    """A sparse MoE block (has ``experts``): tiled whole, router included, by ``TiledMoE``."""
+    return hasattr(mlp, "experts")
 
 
 def apply_tiled_mlp(model: nn.Module, tile_tokens: int) -> int:
-    """Replace every submodule's ``.mlp`` (dense MLP) with ``TiledMLP(mlp, tile_tokens)``; returns the count.
+    """Wrap every submodule's ``.mlp`` so it runs in token tiles; returns how many were wrapped.
 
-    Only attributes of the user's model object are replaced; no model code is edited.
+    Dense MLPs become ``TiledMLP(mlp, tile_tokens)``; sparse MoE blocks (``.experts``, e.g. Mixtral,
+    Qwen2-MoE, Qwen3-MoE) become ``TiledMoE(block, tile_tokens)`` (router logits and the aux
+    loss stay exact). Only attributes of the user's model object are replaced; no model code is edited.
+
+    Raises:
+        ValueError: ``tile_tokens < 1``, or an MoE block with router jitter noise (checked for all
+            blocks before any is wrapped).
     """
+    from ulysses_sp.memory.tiled_moe import TiledMoE  # tiled_moe builds on TiledMLP
+
     if tile_tokens < 1:
         raise ValueError(f"tile_tokens must be >= 1, got {tile_tokens}.")
     owners = [m for m in model.modules() if _is_tileable(getattr(m, "mlp", None)) and not isinstance(m, TiledMLP)]
-    for owner in owners:
-        owner.mlp = TiledMLP(owner.mlp, tile_tokens)
+    wrappers = [TiledMoE(o.mlp, tile_tokens) if is_moe_block(o.mlp) else TiledMLP(o.mlp, tile_tokens) for o in owners]
+    for owner, wrapper in zip(owners, wrappers):
+        owner.mlp = wrapper
     return len(owners)
 
 
