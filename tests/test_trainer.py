@@ -1,7 +1,8 @@
 """UlyssesTrainer (transformers.Trainer + Ulysses SP) against the plain Trainer in one process.
 
-The parity runs launch ``examples/trainer_train.py`` through ``torchrun --standalone`` as users do;
-the refusal tests build trainers on a spawned gloo world (``dist_helper.spawn``).
+The SP run launches ``examples/trainer_train.py`` through ``torchrun --standalone`` as users do; the
+reference, resume and refusal runs call the same code on a spawned gloo world (``dist_helper.spawn``,
+faster to start).
 """
 
 import json
@@ -27,6 +28,20 @@ def run_example(nproc: int, tmp: Path, name: str, *args: str) -> list[dict]:
     return [json.loads(line) for line in log.read_text().splitlines()]
 
 
+def _main(rank, world, argv):
+    sys.path.insert(0, str(EXAMPLE.parent))
+    import trainer_train
+
+    trainer_train.main(argv)
+
+
+def spawn_example(nproc: int, tmp: Path, name: str, *args: str) -> list[dict]:
+    """The example's main() on a spawned gloo world (no torchrun start-up: faster, same code)."""
+    log = tmp / f"{name}.jsonl"
+    spawn(_main, nproc, ["--output-dir", str(tmp / name), "--log-file", str(log), *args])
+    return [json.loads(line) for line in log.read_text().splitlines()]
+
+
 def step_logs(records: list[dict]) -> dict[int, dict]:
     return {r["step"]: r for r in records if "loss" in r}
 
@@ -37,7 +52,7 @@ def runs(tmp_path_factory):
     3 optimizer steps of 2 micro-batches of 2 variable-length, right-padded rows, then evaluate()."""
     tmp = tmp_path_factory.mktemp("trainer")
     sp = run_example(2, tmp, "sp2", "--sp-size", "2", "--eval", "--save-steps", "2")
-    plain = run_example(1, tmp, "plain", "--plain", "--eval")
+    plain = spawn_example(1, tmp, "plain", "--plain", "--eval")
     return tmp, sp, plain
 
 
@@ -87,7 +102,7 @@ def test_sp2_resume_from_checkpoint_continues_identically(runs):
     tmp, sp, _ = runs
     checkpoint = tmp / "sp2" / "checkpoint-2"
     assert "ulysses" not in (checkpoint / "config.json").read_text()
-    resumed = step_logs(run_example(2, tmp, "resumed", "--sp-size", "2", "--resume-from", str(checkpoint)))
+    resumed = step_logs(spawn_example(2, tmp, "resumed", "--sp-size", "2", "--resume-from", str(checkpoint)))
     assert sorted(resumed) == [3]
     # same fp32 computation on the same ranks after reloading exact weights and optimizer state
     assert resumed[3]["loss"] == pytest.approx(step_logs(sp)[3]["loss"], rel=1e-6)
