@@ -1,0 +1,60 @@
+"""``ulysses-sp train``: train a causal LM with Ulysses SP (default: a copy task on 2 local processes).
+
+All options are parsed by ``HfArgumentParser`` in :func:`run` (``ulysses_sp.train.options``): the
+command's own and every ``TrainingArguments`` option; ``ulysses-sp train --help`` lists them.
+Exit codes: 0 done, 2 bad input (nothing launched, nothing written), 1 a worker failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Every argument is handed to :func:`run` unparsed (HfArgumentParser owns them)."""
+    parser.add_argument("options", nargs=argparse.REMAINDER, help="see `ulysses-sp train --help`")
+    parser.prefix_chars = "\0"  # so that argparse hands over --options (and --help) instead of rejecting them
+
+
+def run(args: argparse.Namespace) -> int:
+    """Validate, launch, print the summary; the exit code."""
+    argv = list(args.options)
+    from ulysses_sp.train import options
+
+    if any(a in ("-h", "--help") for a in argv):
+        options.build_parser().print_help()
+        return 0
+    from ulysses_sp.train.launch import TrainInputError, launch, plan
+
+    try:
+        p = plan(argv)
+    except TrainInputError as err:
+        print(f"ulysses-sp train: error: {err}", file=sys.stderr)
+        return 2
+    what = "copy task" if p.margs.uses_task else ", ".join(p.margs.dataset or [])
+    print(f"ulysses-sp train: {p.margs.model or 'embedded Llama'} on {what}, S={p.margs.seq_len}, "
+          f"SP={p.spargs.sp_size} x DP={p.spargs.dp_size} ({p.world_size} processes); output {p.output_dir}",
+          flush=True)
+    try:
+        summary = launch(p)
+    except Exception as err:  # ChildFailedError carries each failed rank's error
+        print(f"ulysses-sp train: a worker failed; {p.output_dir} was not written.\n{err}", file=sys.stderr)
+        return 1
+    if summary is not None:
+        print(format_summary(summary, p.output_dir))
+    return 0
+
+
+def format_summary(summary: dict, output_dir) -> str:
+    """The lines printed when a run completes."""
+    final, first = summary.get("final") or {}, summary.get("first") or {}
+    lines = [f"done in {summary['train_seconds']:.0f} s: {output_dir}/ (model, metrics.jsonl, metrics.png, run.json)"]
+    if final:
+        lines.append(f"  loss {first.get('loss', float('nan')):.3f} -> {final['loss']:.3f}, "
+                     f"{final['tokens_per_second']:.0f} tokens/s, peak memory/rank "
+                     + ", ".join(f"{m / 2**30:.2f}" for m in final["peak_memory_bytes_per_rank"]) + " GiB")
+    if "accuracy" in final:
+        lines.append(f"  copy-task accuracy {first['accuracy']:.3f} -> {final['accuracy']:.3f} "
+                     f"(chance {summary['chance_accuracy']:.3f})")
+    return "\n".join(lines)

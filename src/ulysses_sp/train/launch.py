@@ -1,0 +1,180 @@
+"""Validate a ``ulysses-sp train`` run before any worker starts, then launch the workers.
+
+    1. validate   options, output directory, model (config only, on the meta device: head split,
+                  max_position_embeddings), data (files exist, rows have a known format)
+    2. launch     ``torch.distributed.launcher.elastic_launch`` (what ``torchrun`` runs) with the
+                  torchrun options of ``LaunchArguments``; workers are forked from a fork server
+                  that imported torch and transformers once. Under ``torchrun`` (RANK set) the
+                  command runs as a worker itself instead of launching.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ulysses_sp.train import options
+from ulysses_sp.train.tasks import CopyTask, default_model_config
+from ulysses_sp.train.worker import staging_dir
+
+PRELOAD = ["torch", "torch.distributed", "transformers", "transformers.modeling_utils", "transformers.trainer",
+           "ulysses_sp.integrations.trainer", "ulysses_sp.train.worker"]
+
+
+class TrainInputError(ValueError):
+    """A run that cannot start: the message says what to change."""
+
+
+@dataclass
+class Plan:
+    """A validated run: parsed options, the output directory and the world layout."""
+
+    argv: list[str]
+    margs: options.ModelDataArguments
+    spargs: options.SPArguments
+    largs: options.LaunchArguments
+    output_dir: Path
+    world_size: int
+    nproc_per_node: int
+
+
+def _output_dir(argv: list[str], targs: Any, overwrite: bool) -> Path:
+    """The explicit --output-dir, or the first free ``runs/ulysses-sp-train[-N]``; refuses a used one."""
+    given = any(a.split("=")[0] in ("--output-dir", "--output_dir") for a in argv)
+    if not given:
+        path, n = Path(options.DEFAULT_OUTPUT_DIR), 1
+        while path.exists() or staging_dir(path).exists():
+            n += 1
+            path = Path(f"{options.DEFAULT_OUTPUT_DIR}-{n}")
+        return path
+    path = Path(targs.output_dir).expanduser()
+    if path.exists() and not path.is_dir():
+        raise TrainInputError(f"--output-dir {path} is a file; give a directory.")
+    if path.is_dir() and any(path.iterdir()) and not overwrite:
+        raise TrainInputError(f"--output-dir {path} exists and is not empty; choose another directory or pass "
+                              "--overwrite-output-dir to replace it when the new run completes.")
+    return path
+
+
+def _model_config(margs: options.ModelDataArguments):
+    """The config of the model to train (no weights are read)."""
+    from transformers import AutoConfig
+
+    if margs.model is None:
+        return default_model_config(CopyTask(margs.seq_len, margs.task_vocab_size), margs.hidden_size,
+                                    margs.num_layers, margs.num_heads)
+    path = Path(margs.model).expanduser()
+    if not path.exists() and (margs.model.startswith((".", "/", "~")) or margs.model.count("/") > 1):
+        raise TrainInputError(f"--model {margs.model} does not exist; give a local model directory "
+                              "(save_pretrained) or a Hugging Face Hub name (needs network).")
+    try:
+        return AutoConfig.from_pretrained(margs.model)
+    except Exception as err:
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise TrainInputError(f"could not load a model config from --model {margs.model!r}: {first}") from err
+
+
+def _check_model(margs: options.ModelDataArguments, spargs: options.SPArguments) -> None:
+    """Head split and sequence length, on a meta-device instance of the model."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from ulysses_sp.integrations.transformers import unsupported_reasons
+
+    config = _model_config(margs)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=margs.attn_implementation)
+    kernel = spargs.sp_attn_implementation or margs.attn_implementation
+    reasons = unsupported_reasons(model, spargs.sp_size, kernel)
+    if reasons:
+        raise TrainInputError(f"{type(model).__name__} cannot train with --sp-size {spargs.sp_size}: "
+                              + "; ".join(reasons) + ".")
+    limit = getattr(config.get_text_config(), "max_position_embeddings", None)
+    if limit is not None and margs.seq_len > limit:
+        raise TrainInputError(f"--seq-len {margs.seq_len} is longer than the model allows "
+                              f"(max_position_embeddings={limit}); use --seq-len <= {limit}.")
+    if margs.uses_task and margs.task_vocab_size > config.get_text_config().vocab_size:
+        raise TrainInputError(f"--task-vocab-size {margs.task_vocab_size} exceeds the model's vocab_size "
+                              f"{config.get_text_config().vocab_size}.")
+
+
+def _check_data(margs: options.ModelDataArguments) -> None:
+    """Task parameters, or: data files load and rows have a known format; a tokenizer exists."""
+    from ulysses_sp.train.data import load_raw, load_tokenizer, row_format
+
+    if margs.uses_task:
+        CopyTask(margs.seq_len, margs.task_vocab_size)
+        return
+    load_tokenizer(margs.model)
+    raw = load_raw(margs.dataset, margs.dataset_config, margs.dataset_split)
+    if len(raw) == 0:
+        raise TrainInputError(f"--dataset {margs.dataset} has no rows.")
+    row_format(raw[0], margs.dataset_text_field)
+
+
+def plan(argv: list[str]) -> Plan:
+    """Parse and validate everything that can be checked before launching (TrainInputError)."""
+    try:
+        margs, spargs, largs, targs = options.parse(argv)
+        spargs.to_config()
+    except ValueError as err:
+        raise TrainInputError(str(err)) from err
+    if spargs.dp_size < 1:
+        raise TrainInputError(f"--dp-size must be >= 1, got {spargs.dp_size}.")
+    world = spargs.sp_size * spargs.dp_size
+    nproc = largs.nproc_per_node or world // max(largs.nnodes, 1)
+    if nproc < 1 or nproc * largs.nnodes != world:
+        raise TrainInputError(f"--sp-size {spargs.sp_size} x --dp-size {spargs.dp_size} = {world} processes, but "
+                              f"--nnodes {largs.nnodes} x --nproc-per-node {nproc} = {nproc * largs.nnodes}; "
+                              "make them equal.")
+    if margs.seq_len < 2:
+        raise TrainInputError(f"--seq-len must be >= 2, got {margs.seq_len}.")
+    output_dir = _output_dir(argv, targs, margs.overwrite_output_dir)
+    try:
+        _check_model(margs, spargs)
+        _check_data(margs)
+    except TrainInputError:
+        raise
+    except ValueError as err:
+        raise TrainInputError(str(err)) from err
+    argv = [a for a in argv]
+    return Plan(argv, margs, spargs, largs, output_dir, world, nproc)
+
+
+def launch_config(p: Plan):
+    """The ``LaunchConfig`` torchrun would build from the same options (single node: standalone)."""
+    from torch.distributed import run as torchrun
+
+    from ulysses_sp.comm.launch import free_port
+
+    la = p.largs
+    argv = ["--nproc-per-node", str(p.nproc_per_node), "--nnodes", str(la.nnodes), "--max-restarts",
+            str(la.max_restarts), "--start-method", "forkserver", "--rdzv-id", la.rdzv_id]
+    if la.nnodes == 1 and la.rdzv_endpoint is None and la.master_addr is None:
+        argv += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}"]
+    else:
+        argv += ["--rdzv-backend", la.rdzv_backend, "--node-rank", str(la.node_rank)]
+        argv += ["--rdzv-endpoint", la.rdzv_endpoint] if la.rdzv_endpoint else []
+        argv += ["--master-addr", la.master_addr] if la.master_addr else []
+        argv += ["--master-port", str(la.master_port)] if la.master_port else []
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // p.nproc_per_node)))
+    config, _, _ = torchrun.config_from_args(torchrun.parse_args(argv + ["ulysses-sp-train"]))
+    return config
+
+
+def launch(p: Plan) -> dict[str, Any] | None:
+    """Run the workers; world rank 0's summary if it ran on this node."""
+    import torch.multiprocessing as mp
+    from torch.distributed.launcher.api import elastic_launch
+
+    from ulysses_sp.train import worker
+
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # already under torchrun: be a worker
+        return worker.main(p.argv, str(p.output_dir))
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
+    mp.get_context("forkserver").set_forkserver_preload(PRELOAD)
+    results = elastic_launch(launch_config(p), worker.main)(p.argv, str(p.output_dir))
+    return next((r for r in results.values() if r is not None), None)

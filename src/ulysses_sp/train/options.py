@@ -1,0 +1,135 @@
+"""Command-line options of ``ulysses-sp train``: four dataclasses parsed by ``HfArgumentParser``.
+
+    ModelDataArguments   what to train on (model, dataset or the embedded copy task, lengths)
+    SPArguments          sequence parallelism and memory features (-> ``UlyssesSPConfig``)
+    LaunchArguments      processes and nodes (passed to torch's elastic launcher, as torchrun)
+    TrainingArguments    every ``transformers.TrainingArguments`` option (``--learning-rate`` ...)
+
+Every option takes dashes or underscores (``--sp-size`` = ``--sp_size``), as ``trl sft`` does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass, field
+from typing import Any
+
+from ulysses_sp.config import UlyssesSPConfig
+
+DEFAULT_OUTPUT_DIR = "runs/ulysses-sp-train"
+
+# TrainingArguments defaults of this command (the embedded task learns in ~150 steps with them)
+TRAINING_DEFAULTS: dict[str, Any] = dict(
+    output_dir=None, max_steps=200, per_device_train_batch_size=8, learning_rate=3e-3, warmup_steps=20,
+    lr_scheduler_type="constant_with_warmup", weight_decay=0.0, max_grad_norm=1.0, logging_steps=10,
+    save_strategy="no", report_to="none", seed=0, dataloader_drop_last=True, remove_unused_columns=False,
+    disable_tqdm=True, use_cpu=False, include_num_input_tokens_seen="non_padding",
+    ddp_find_unused_parameters=False,
+)
+
+
+@dataclass
+class ModelDataArguments:
+    """The model and the data; both default to the embedded ones (no download)."""
+
+    model: str | None = field(default=None, metadata={"help": "local model directory or Hub name; default: a "
+                                                      "small random Llama for the embedded copy task"})
+    random_init: bool = field(default=False, metadata={"help": "build --model from its config with random weights"})
+    dtype: str = field(default="float32", metadata={"help": "weights dtype: float32, bfloat16, float16 or auto "
+                                                   "(mixed precision: --bf16 / --fp16)"})
+    attn_implementation: str = field(default="sdpa", metadata={"help": "kernel run on the full sequence (sdpa, "
+                                                               "eager, flash_attention_2, flex_attention)"})
+    dataset: list[str] | None = field(default=None, metadata={"help": "text / .jsonl / .json / .parquet / .csv "
+                                      "files, a save_to_disk directory or a datasets name; default: the copy task"})
+    dataset_config: str | None = field(default=None, metadata={"help": "datasets configuration name"})
+    dataset_split: str = field(default="train", metadata={"help": "split to train on"})
+    dataset_text_field: str = field(default="text", metadata={"help": "column of plain-text rows"})
+    packing: bool = field(default=True, metadata={"help": "pack documents into rows of --seq-len (TRL's bfd)"})
+    completion_only_loss: bool = field(default=True, metadata={"help": "prompt/completion data: loss on the "
+                                                               "completion only"})
+    seq_len: int = field(default=512, metadata={"help": "global tokens per row, split over --sp-size ranks"})
+    task_vocab_size: int = field(default=64, metadata={"help": "copy task: token ids (3 are special)"})
+    task_train_rows: int = field(default=4096, metadata={"help": "copy task: training rows"})
+    task_eval_rows: int = field(default=32, metadata={"help": "copy task: held-out rows for the accuracy"})
+    hidden_size: int = field(default=64, metadata={"help": "embedded model: hidden size"})
+    num_layers: int = field(default=2, metadata={"help": "embedded model: decoder layers"})
+    num_heads: int = field(default=4, metadata={"help": "embedded model: attention heads (>= --sp-size)"})
+    overwrite_output_dir: bool = field(default=False, metadata={"help": "replace a non-empty --output-dir"})
+
+    @property
+    def uses_task(self) -> bool:
+        """True when training on the embedded copy task."""
+        return not self.dataset
+
+
+@dataclass
+class SPArguments:
+    """Sequence parallelism (``UlyssesSPConfig``) and the data-parallel size."""
+
+    sp_size: int = field(default=2, metadata={"help": "ranks sharing one sequence; 1 = no SP (baseline)"})
+    dp_size: int = field(default=1, metadata={"help": "data-parallel replicas; world = sp_size * dp_size"})
+    sp_attn_implementation: str | None = field(default=None, metadata={"help": "override the SP core kernel"})
+    tiled_mlp_tokens: int | None = field(default=None, metadata={"help": "run MLPs in tiles of this many tokens"})
+    tiled_loss_tokens: int | None = field(default=None, metadata={"help": "lm_head + loss in tiles of this many "
+                                                                   "tokens (never the full logits)"})
+
+    def to_config(self) -> UlyssesSPConfig:
+        """The shared ``UlyssesSPConfig`` (validates the values)."""
+        return UlyssesSPConfig(sp_size=self.sp_size, sp_attn_implementation=self.sp_attn_implementation,
+                               tiled_mlp_tokens=self.tiled_mlp_tokens, tiled_loss_tokens=self.tiled_loss_tokens)
+
+
+@dataclass
+class LaunchArguments:
+    """Passed to torch's elastic launcher exactly as ``torchrun`` options of the same names."""
+
+    nproc_per_node: int | None = field(default=None, metadata={"help": "processes on this node; default "
+                                                               "sp_size * dp_size / nnodes"})
+    nnodes: int = field(default=1, metadata={"help": "nodes taking part"})
+    node_rank: int = field(default=0, metadata={"help": "this node's rank (static rendezvous)"})
+    rdzv_endpoint: str | None = field(default=None, metadata={"help": "host:port of the rendezvous"})
+    rdzv_backend: str = field(default="c10d", metadata={"help": "rendezvous backend (c10d, static, etcd)"})
+    rdzv_id: str = field(default="ulysses-sp-train", metadata={"help": "job id shared by all nodes"})
+    master_addr: str | None = field(default=None, metadata={"help": "static rendezvous: rank-0 host"})
+    master_port: int | None = field(default=None, metadata={"help": "static rendezvous: rank-0 port"})
+    max_restarts: int = field(default=0, metadata={"help": "restarts of failed workers"})
+
+
+def build_parser(defaults: dict[str, Any] | None = None):
+    """The ``HfArgumentParser`` of the command, with this command's TrainingArguments defaults."""
+    from transformers import HfArgumentParser, TrainingArguments
+
+    parser = HfArgumentParser((ModelDataArguments, SPArguments, LaunchArguments, TrainingArguments),
+                              prog="ulysses-sp train", description="Train a causal LM with Ulysses SP.")
+    parser.set_defaults(**(TRAINING_DEFAULTS if defaults is None else defaults))
+    return parser
+
+
+def parse(argv: list[str], device_defaults: bool = False):
+    """``(ModelDataArguments, SPArguments, LaunchArguments, TrainingArguments)`` from ``argv``.
+
+    ``device_defaults``: in a worker, default to ``use_cpu`` + gloo without CUDA.
+
+    Raises:
+        ValueError: unknown options (with the closest known names).
+    """
+    defaults = dict(TRAINING_DEFAULTS)
+    if device_defaults:
+        import torch
+
+        cpu = not torch.cuda.is_available()
+        defaults.update(use_cpu=cpu, ddp_backend="gloo" if cpu else "nccl")
+    parser = build_parser(defaults)
+    *parsed, remaining = parser.parse_args_into_dataclasses(argv, return_remaining_strings=True)
+    if remaining:
+        known = ["--" + f.name.replace("_", "-") for dc in parser.dataclass_types for f in dataclasses.fields(dc)]
+        hints = []
+        for item in remaining:
+            if item.startswith("--"):
+                close = difflib.get_close_matches(item.split("=")[0], known, n=2)
+                hints.append(f"{item}" + (f" (did you mean {' or '.join(close)}?)" if close else ""))
+            else:
+                hints.append(item)
+        raise ValueError(f"unknown option(s): {', '.join(hints)}; see `ulysses-sp train --help`.")
+    return tuple(parsed)

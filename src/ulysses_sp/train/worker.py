@@ -1,0 +1,133 @@
+"""One rank of ``ulysses-sp train`` (started by torch's elastic launcher, or by ``torchrun``).
+
+    1. process group   gloo on CPU, NCCL on GPU (env:// from the launcher); options re-parsed
+    2. model           the embedded Llama (seeded random init) or ``--model`` (from_pretrained)
+    3. data            the copy task (train rows + held-out rows) or the user's data (data.py)
+    4. train           ``UlyssesTrainer`` (every TrainingArguments option) + MetricsCallback
+    5. finish (rank 0) save the model (+ tokenizer), run.json, metrics.png into the STAGING
+                       directory ``DIR.incomplete``, then rename it to ``DIR``: a run that stops
+                       early never leaves a ``DIR`` that looks complete
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ulysses_sp.train import options
+from ulysses_sp.train.tasks import CopyTask, default_model_config
+
+STAGING_SUFFIX = ".incomplete"
+
+
+def staging_dir(output_dir: str | Path) -> Path:
+    """Where a run writes until it completes (renamed to ``output_dir`` at the end)."""
+    path = Path(output_dir)
+    return path.with_name(path.name + STAGING_SUFFIX)
+
+
+def _init_distributed() -> None:
+    """env:// process group of the launcher; one thread per rank's share of the cores."""
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+
+
+def build_model(margs: options.ModelDataArguments, seed: int):
+    """The model every rank starts from (identical: seeded init or the same checkpoint)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    dtype = margs.dtype if margs.dtype == "auto" else getattr(torch, margs.dtype)
+    kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": margs.attn_implementation}
+    torch.manual_seed(seed)
+    if margs.model is None:
+        task = CopyTask(margs.seq_len, margs.task_vocab_size)
+        config = default_model_config(task, margs.hidden_size, margs.num_layers, margs.num_heads)
+        return AutoModelForCausalLM.from_config(config, **kwargs)
+    if margs.random_init:
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(margs.model), **kwargs)
+    return AutoModelForCausalLM.from_pretrained(margs.model, **kwargs)
+
+
+def build_data(margs: options.ModelDataArguments, seed: int):
+    """``(train_dataset, collator, eval_rows, tokenizer)``; eval_rows only for the task."""
+    from ulysses_sp.train.data import LMCollator, load_tokenizer, prepare_dataset
+
+    if margs.uses_task:
+        task = CopyTask(margs.seq_len, margs.task_vocab_size)
+        eval_rows = task.rows(margs.task_eval_rows, seed=seed + 1_000_003)
+        return task.dataset(margs.task_train_rows, seed=seed + 1), LMCollator(pad_token_id=0), eval_rows, None
+    tokenizer = load_tokenizer(margs.model)
+    dataset = prepare_dataset(margs, tokenizer, seed)
+    return dataset, LMCollator(pad_token_id=tokenizer.pad_token_id or 0), None, tokenizer
+
+
+def main(argv: list[str], output_dir: str) -> dict[str, Any] | None:
+    """Train on this rank; world rank 0 returns the run summary (others None)."""
+    _init_distributed()
+    from transformers import TrainingArguments  # noqa: F401  (after the process group exists)
+
+    from transformers.trainer_callback import PrinterCallback
+
+    from ulysses_sp.integrations.trainer import UlyssesTrainer
+    from ulysses_sp.train.metrics import MetricsCallback
+
+    margs, spargs, _, targs = options.parse(argv, device_defaults=True)
+    final, staging = Path(output_dir), staging_dir(output_dir)
+    rank0 = dist.get_rank() == 0
+    if rank0:
+        shutil.rmtree(staging, ignore_errors=True)  # a stopped earlier run's leftovers
+        staging.mkdir(parents=True)
+    dist.barrier()
+    targs.output_dir = str(staging)
+    model = build_model(margs, targs.seed)
+    train_dataset, collator, eval_rows, tokenizer = build_data(margs, targs.seed)
+    callback = MetricsCallback(staging / "metrics.jsonl", eval_rows, progress=True)
+    trainer = UlyssesTrainer(model=model, args=targs, train_dataset=train_dataset, data_collator=collator,
+                             processing_class=tokenizer, callbacks=[callback], sp_config=spargs.to_config())
+    callback.ulysses = trainer.ulysses
+    trainer.remove_callback(PrinterCallback)  # our progress bar shows the logs
+    started = time.perf_counter()
+    trainer.train(resume_from_checkpoint=targs.resume_from_checkpoint)
+    seconds = time.perf_counter() - started
+    trainer.save_model(str(staging))
+    dist.barrier()
+    summary = None
+    if rank0:
+        summary = _finish(margs, spargs, targs, callback.records, seconds, staging, final)
+    dist.barrier()
+    dist.destroy_process_group()
+    return summary
+
+
+def _finish(margs, spargs, targs, records, seconds, staging: Path, final: Path) -> dict[str, Any]:
+    """Rank 0: run.json + metrics.png into ``staging``, then rename it to ``final``."""
+    from ulysses_sp.train.plot import plot_metrics
+
+    world = dist.get_world_size()
+    chance = CopyTask(margs.seq_len, margs.task_vocab_size).chance_accuracy if margs.uses_task else None
+    summary = {
+        "complete": True, "train_seconds": seconds, "world_size": world, "sp_size": spargs.sp_size,
+        "dp_size": world // spargs.sp_size, "seq_len": margs.seq_len,
+        "task": "copy" if margs.uses_task else None, "chance_accuracy": chance,
+        "model": margs.model or "embedded-llama", "dataset": margs.dataset,
+        "final": records[-1] if records else None, "first": records[0] if records else None,
+    }
+    if records:
+        title = f"ulysses-sp train: SP={spargs.sp_size} x DP={world // spargs.sp_size}, S={margs.seq_len}"
+        plot_metrics(records, staging / "metrics.png", title, chance)
+    (staging / "run.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if final.exists():
+        shutil.rmtree(final) if final.is_dir() else final.unlink()  # --overwrite-output-dir (checked before)
+    os.replace(staging, final)
+    return summary
