@@ -1,0 +1,135 @@
+"""A custom Accelerate training loop with Ulysses SP (CPU or GPU, no downloads).
+
+    accelerate launch --config_file examples/accelerate_config.yaml --num_processes 2 \\
+        examples/accelerate_train.py --sp-size 2                          # SP over 2 processes
+    accelerate launch --config_file examples/accelerate_config.yaml --num_processes 1 \\
+        examples/accelerate_train.py --sp-size 1                          # the same run, no SP
+    ... --stop-after 2 --save-dir ckpt   then   ... --resume-from ckpt   # stop and resume
+                                        (--save-at 2 saves the same state and trains on)
+
+A tiny random Llama (hidden 64, 4 heads, 2 kv heads) trains on synthetic right-padded sequences
+of random lengths (so micro-batches hold different numbers of tokens) with AdamW, gradient
+clipping and gradient accumulation. Rank 0 writes one JSON line per optimizer step (step, loss =
+global token mean of the step, grad_norm before clipping) to ``--log-file``.
+
+``--reference`` trains the same model in one process WITHOUT ulysses-sp: each optimizer step is
+one forward of all its micro-batches concatenated, with Transformers' own loss (the token mean).
+SP runs must reproduce its losses and gradient norms.
+"""
+
+import argparse
+import json
+
+import torch
+from accelerate import Accelerator
+from torch.utils.data import DataLoader
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from ulysses_sp.config import UlyssesSPConfig
+from ulysses_sp.integrations.accelerate import UlyssesAccelerate
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    p.add_argument("--sp-size", type=int, default=2)
+    p.add_argument("--steps", type=int, default=4, help="optimizer steps in total")
+    p.add_argument("--steps-per-epoch", type=int, default=2, help="dataset size, in optimizer steps")
+    p.add_argument("--grad-accum", type=int, default=2)
+    p.add_argument("--global-batch", type=int, default=2, help="sequences per micro-step, all replicas")
+    p.add_argument("--seq-len", type=int, default=63)
+    p.add_argument("--tiled-loss-tokens", type=int, default=None)
+    p.add_argument("--log-file", default=None)
+    p.add_argument("--save-dir", default=None, help="where --save-at / --stop-after save the state")
+    p.add_argument("--save-at", type=int, default=None, help="save the state after this step and go on")
+    p.add_argument("--stop-after", type=int, default=None, help="save the state after this step and exit")
+    p.add_argument("--resume-from", default=None, help="a --save-dir to continue from")
+    p.add_argument("--reference", action="store_true", help="one process, no SP, whole step in one batch")
+    return p.parse_args()
+
+
+def build_model() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, pad_token_id=0)
+    return LlamaForCausalLM(config)
+
+
+def build_dataset(num: int, seq_len: int) -> list[dict[str, torch.Tensor]]:
+    """``num`` right-padded sequences of random lengths in ``[seq_len // 3, seq_len]``."""
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, 256, (num, seq_len), generator=gen)
+    lengths = torch.randint(seq_len // 3, seq_len + 1, (num,), generator=gen)
+    mask = (torch.arange(seq_len)[None] < lengths[:, None]).long()
+    return [{"input_ids": i * m, "attention_mask": m} for i, m in zip(ids, mask)]
+
+
+def main() -> None:
+    args = parse_args()
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(),
+                              gradient_accumulation_steps=1 if args.reference else args.grad_accum)
+    model = build_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    data = build_dataset(args.global_batch * args.grad_accum * args.steps_per_epoch, args.seq_len)
+    if args.reference:
+        return train_reference(args, accelerator, model, optimizer, data)
+
+    sp = UlyssesAccelerate(accelerator, UlyssesSPConfig(sp_size=args.sp_size, tiled_loss_tokens=args.tiled_loss_tokens))
+    if args.global_batch % sp.mesh.dp_size:
+        raise ValueError(f"--global-batch {args.global_batch} must be a multiple of the {sp.mesh.dp_size} replicas.")
+    loader = DataLoader(data, batch_size=args.global_batch // sp.mesh.dp_size, shuffle=True)
+    model, optimizer, loader = sp.prepare(model, optimizer, loader)       # UlyssesSP + DDP + dp-only split
+    if args.resume_from:
+        accelerator.load_state(args.resume_from)  # model, optimizer, RNG, loader position (= step)
+    step = (loader.epoch * len(loader) + loader.position) // args.grad_accum
+    log = open(args.log_file, "w") if args.log_file and accelerator.is_main_process else None
+    while step < args.steps:
+        step_loss = 0.0
+        for batch in loader:
+            with accelerator.accumulate(model):
+                loss = sp.loss_for(model, batch)
+                accelerator.backward(loss)
+                step_loss += sp.reported_loss(loss).item()
+                if accelerator.sync_gradients:
+                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), 1.0)
+                optimizer.step()
+                optimizer.zero_grad()
+            if accelerator.sync_gradients:
+                step += 1
+                write(log, step, step_loss, grad_norm)
+                step_loss = 0.0
+                if step in (args.save_at, args.stop_after):
+                    accelerator.save_state(args.save_dir)  # model, optimizer, RNG of every rank, loader
+                if step == args.stop_after:
+                    return
+                if step == args.steps:
+                    break
+
+
+def train_reference(args, accelerator, model, optimizer, data) -> None:
+    """One process, plain Transformers loss on the concatenation of each step's micro-batches."""
+    model, optimizer = accelerator.prepare(model, optimizer)
+    loader = DataLoader(data, batch_size=args.global_batch * args.grad_accum, shuffle=False)
+    log = open(args.log_file, "w") if args.log_file else None
+    generator = torch.Generator().manual_seed(0)  # the order UlyssesAccelerateLoader uses with one replica
+    for step in range(1, args.steps + 1):
+        epoch, i = divmod(step - 1, args.steps_per_epoch)
+        order = torch.randperm(len(data), generator=generator.manual_seed(epoch)).tolist()
+        rows = [data[j] for j in order[i * len(order) // args.steps_per_epoch:(i + 1) * len(order) // args.steps_per_epoch]]
+        batch = {k: torch.stack([r[k] for r in rows]).to(accelerator.device) for k in rows[0]}
+        labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+        loss = model(**batch, labels=labels).loss
+        accelerator.backward(loss)
+        grad_norm = accelerator.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        write(log, step, loss.item(), grad_norm)
+
+
+def write(log, step: int, loss: float, grad_norm: torch.Tensor) -> None:
+    if log is not None:
+        log.write(json.dumps({"step": step, "loss": loss, "grad_norm": float(grad_norm)}) + "\n")
+        log.flush()
+
+
+if __name__ == "__main__":
+    main()
