@@ -1,0 +1,60 @@
+"""Communication model per attention layer: bytes one rank sends and collectives, per system.
+
+Shape legend: B batch, S global sequence, s = S/P, N query heads, K kv heads, H head dim
+(Hv = H here), b bytes per element, L layers.
+
+    ulysses (ours)   forward: q|k|v of the heads other ranks own + my heads' output for their
+                     tokens: HeadPlan.bytes_sent_per_rank, ~ B*s*(2NH + 2KH)*(P-1)/P*b (K >= P);
+                     backward: the same amounts reversed.  2 collectives forward, 2 backward.
+    deepspeed        q, k, v in three all-to-alls (k/v heads repeated to P when K < P), output
+                     in a fourth; + an all-gather of int64 position_ids (B*s*8*(P-1)) per layer.
+                     5 collectives forward (4 all-to-all + 1 all-gather), 4 backward.
+    ring             k|v blocks pass P-1 hops: (P-1)*B*s*K*2H*b forward; backward the k|v ring
+                     again plus P hops of fp32 dk|dv: (P-1)*B*s*K*2H*b + P*B*s*K*2H*4.
+                     P-1 P2P exchanges forward, 2P-1 backward.
+
+Ulysses / ring crossover (forward bytes, K >= P): ring/ulysses = P*K / (N + K): ring sends less
+for small P with grouped kv heads and more once P > (N + K)/K; ring's hops are sequential while
+the all-to-all is one step, and ring's causal work is unbalanced over contiguous shards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ulysses_sp.comm.layout import HeadPlan
+
+
+@dataclass(frozen=True)
+class AttentionComm:
+    """Per attention layer and rank: bytes sent forward / backward and collective counts, with the formula text."""
+
+    bytes_forward: int
+    bytes_backward: int
+    collectives_forward: int
+    collectives_backward: int
+    text: str
+
+
+def attention_comm(system: str, P: int, B: int, S: int, N: int, K: int, H: int, itemsize: int, rank: int = 0) -> AttentionComm:
+    """The communication model of ``system`` for one attention layer (see the module docstring)."""
+    s = S // P
+    if P == 1 or system == "single":
+        return AttentionComm(0, 0, 0, 0, "no communication")
+    if system == "ulysses":
+        plan = HeadPlan(N, K, P)
+        sent = plan.bytes_sent_per_rank(rank, B, s, H, H, itemsize)
+        fwd = sent["qkv"] + sent["out"]
+        n = [plan.num_local_heads(j)[0] for j in range(P)]
+        bwd = ((P - 1) * plan.qkv_numels(rank, B, s, H, H) + sum(B * s * n[j] * H for j in range(P) if j != rank)) * itemsize
+        return AttentionComm(fwd, bwd, 2, 2, "HeadPlan.bytes_sent_per_rank: qkv+out = B*s*(n_j*H + k_j*2H) over j!=r + B*s*n_r*H*(P-1), x b")
+    if system == "deepspeed":
+        Kx = max(K, P)
+        a2a = B * s * (2 * N * H + 2 * Kx * H) * itemsize * (P - 1) // P
+        pos = B * s * 8 * (P - 1)
+        return AttentionComm(a2a + pos, a2a, 5, 4, "B*s*(2NH + 2max(K,P)H)*(P-1)/P*b + position_ids B*s*8*(P-1)")
+    if system == "ring":
+        kv = B * s * K * 2 * H
+        return AttentionComm((P - 1) * kv * itemsize, (P - 1) * kv * itemsize + P * kv * 4, P - 1, 2 * P - 1,
+                             "fwd (P-1)*B*s*2KH*b; bwd (P-1)*B*s*2KH*b + P*B*s*2KH*4")
+    raise ValueError(f"unknown system {system!r}")

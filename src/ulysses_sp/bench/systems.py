@@ -1,0 +1,164 @@
+"""The systems the benchmark compares, each as one training step on the same model and batch.
+
+    single     one process, plain Transformers (full sequence, SDPA, no SP)
+    ulysses    ours: UlyssesSP (one fused q|k|v all-to-all + one output all-to-all per layer)
+    ring       ours: UlyssesSP's integration with RingAttention in place of UlyssesAttention
+    deepspeed  DeepSpeed ALST: UlyssesSPAttentionHF.register_with_transformers, its data loader
+               adapter and the HF Trainer's SP loss aggregation (transformers'
+               ``deepspeed_sp_compute_loss``), as HF / Accelerate wire it
+
+A step = forward + loss + backward + gradient averaging over the SP group (one flat all-reduce,
+what DDP would do) + SGD update. Every system starts from the same weights (same seed) and sees
+the same global batch, so the first step's loss must agree across systems.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ulysses_sp.bench.counting import CommCounter
+
+SYSTEMS = ("single", "ulysses", "ring", "deepspeed")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A Llama-style decoder built in code with random weights (no download)."""
+
+    vocab_size: int = 2048
+    hidden_size: int = 256
+    intermediate_size: int = 512
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 8
+    num_key_value_heads: int = 4
+    head_dim: int = 32
+
+
+def build_model(spec: ModelSpec, max_len: int, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """The benchmark model, identical on every rank and in every system (seed 0)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers, num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads, head_dim=spec.head_dim, max_position_embeddings=max_len,
+        tie_word_embeddings=False, attn_implementation="sdpa", use_cache=False,
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).to(device=device, dtype=dtype).train()
+
+
+def make_batch(spec: ModelSpec, batch_size: int, seq_len: int, device: torch.device) -> torch.Tensor:
+    """``(B, S)`` random token ids, the same on every rank (seed 1)."""
+    gen = torch.Generator().manual_seed(1)
+    return torch.randint(0, spec.vocab_size, (batch_size, seq_len), generator=gen).to(device)
+
+
+def _average_grads(model: torch.nn.Module, group) -> None:
+    """DDP-style gradient averaging over ``group`` in ONE all-reduce of a flat buffer."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    flat /= dist.get_world_size(group)
+    off = 0
+    for g in grads:
+        g.copy_(flat[off : off + g.numel()].view_as(g))
+        off += g.numel()
+
+
+@dataclass
+class Step:
+    """One system ready to train: ``run(counter)`` does one step and returns the global loss."""
+
+    run: Callable[[CommCounter], float]
+    num_layers: int
+
+
+def _finish(model, optimizer, loss, counter: CommCounter, group) -> None:
+    with counter.in_phase("backward"):
+        loss.backward()
+    with counter.in_phase("sync"):
+        if group is not None:
+            _average_grads(model, group)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+def single_step(model, ids_BS: torch.Tensor, counter: CommCounter) -> Step:
+    """No sequence parallelism: the full sequence in one process."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+
+    def run(counter: CommCounter) -> float:
+        with counter.in_phase("forward"):
+            loss = model(input_ids=ids_BS, labels=ids_BS).loss
+        _finish(model, optimizer, loss, counter, None)
+        return float(loss.detach())
+
+    return Step(run, model.config.num_hidden_layers)
+
+
+def ours_step(model, ids_BS: torch.Tensor, mesh, counter: CommCounter, ring: bool) -> Step:
+    """UlyssesSP (``ring=False``) or the same integration with RingAttention (``ring=True``)."""
+    from ulysses_sp.attention import RingAttention
+    from ulysses_sp.integrations.transformers import UlyssesSP
+    from ulysses_sp.loss import global_num_items, reported_loss
+
+    sp = UlyssesSP(model, mesh)
+    if ring:
+        sp.attention = RingAttention(mesh.sp_group if mesh.sp_size > 1 else None)
+    sp._attention_forward = counter.scoped(sp._attention_forward)  # benchmark instrumentation only
+    sp.register()
+    shard = sp.shard({"input_ids": ids_BS})
+    group = mesh.sp_group if mesh.sp_size > 1 else None
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+
+    def run(counter: CommCounter) -> float:
+        with counter.in_phase("forward"):
+            num_items = global_num_items(shard["shift_labels"], group=group)
+            loss = sp.forward_loss(model, shard, num_items)
+        _finish(model, optimizer, loss, counter, group)
+        return float(reported_loss(loss, mesh.sp_size, group))
+
+    return Step(run, model.config.num_hidden_layers)
+
+
+def deepspeed_step(model, ids_BS: torch.Tensor, mesh, counter: CommCounter) -> Step:
+    """DeepSpeed's UlyssesSPAttentionHF wired as HF Accelerate / Trainer do (ALST)."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu" if ids_BS.device.type == "cpu" else "cuda")
+    import deepspeed
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF, UlyssesSPDataLoaderAdapter
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    deepspeed.init_distributed(dist_backend=dist.get_backend(), verbose=False)
+    B, S = ids_BS.shape
+    mpu = UlyssesSPAttentionHF.register_with_transformers(
+        model_name_or_path=model, core_attn_implementation="sdpa", sequence_parallel_size=mesh.sp_size,
+        micro_batch_size=B, seq_length=S, seq_length_is_variable=False,
+    )
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = counter.scoped(ALL_ATTENTION_FUNCTIONS["sdpa"])
+    rows = [{"input_ids": ids_BS[b].cpu(), "labels": ids_BS[b].cpu(), "position_ids": torch.arange(S)} for b in range(B)]
+    loader = torch.utils.data.DataLoader(rows, batch_size=B)
+    group = mpu.get_sequence_parallel_group()
+    adapter = UlyssesSPDataLoaderAdapter(loader, mpu.get_sequence_parallel_rank(), group, mesh.sp_size, ids_BS.device)
+    inputs = {k: v.to(ids_BS.device) for k, v in next(iter(adapter)).items()}
+    inputs["labels"] = inputs["shift_labels"]  # as transformers' deepspeed_sp_compute_loss does
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+
+    def run(counter: CommCounter) -> float:
+        with counter.in_phase("forward"):
+            loss = model(**inputs).loss
+            # transformers.integrations.deepspeed.deepspeed_sp_compute_loss: weighted aggregation
+            losses = torch.stack(torch.distributed.nn.functional.all_gather(loss, group=group))
+            good = (inputs["shift_labels"] != -100).view(-1).sum()
+            goods = torch.stack(torch.distributed.nn.functional.all_gather(good, group=group))
+            safe = torch.where(goods > 0, losses, torch.zeros_like(losses))
+            loss = (safe * goods).sum() / goods.sum().clamp(min=1)
+        _finish(model, optimizer, loss, counter, group)
+        return float(loss.detach())
+
+    return Step(run, model.config.num_hidden_layers)
