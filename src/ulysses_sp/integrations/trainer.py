@@ -75,9 +75,9 @@ class UlyssesTrainerMixin:
             tiled_mlp_tokens=self.sp_config.tiled_mlp_tokens,
         ).register()
         self.model_accepts_loss_kwargs = True
-        self._expects_position_ids = _dataset_has_column(self.train_dataset, "position_ids") or bool(
-            getattr(self.args, "padding_free", False)
-        )
+        packed_rows = any(_dataset_has_column(self.train_dataset, c) for c in ("position_ids", "seq_lengths"))
+        padding_free = getattr(self, "padding_free", False) or getattr(self.args, "padding_free", False)
+        self._expects_position_ids = packed_rows or bool(padding_free)
 
     def _check_trainer_settings(self) -> None:
         args = self.args
@@ -177,8 +177,16 @@ class UlyssesTrainerMixin:
             raise ValueError("UlyssesTrainer.compute_loss expects a shard from UlyssesTrainer._shard(batch), got a raw batch.")
         if num_items_in_batch is None:
             num_items_in_batch = global_num_items(inputs["shift_labels"])
-        loss = self.ulysses.forward_loss(model, inputs, num_items_in_batch, tile_tokens=self.sp_config.tiled_loss_tokens)
+        loss = self._sp_loss(model, inputs, num_items_in_batch, dist.get_world_size())
         return (loss, None) if return_outputs else loss
+
+    def _sp_loss(
+        self, model: torch.nn.Module, shard: Mapping[str, Any], num_items: torch.Tensor | int, grad_average_world: int
+    ) -> torch.Tensor:
+        """``CE_sum(my tokens) / num_items * grad_average_world`` (subclasses add metrics here)."""
+        return self.ulysses.forward_loss(
+            model, shard, num_items, tile_tokens=self.sp_config.tiled_loss_tokens, grad_average_world=grad_average_world
+        )
 
     def prediction_step(
         self, model: torch.nn.Module, inputs: Mapping[str, Any], prediction_loss_only: bool,
@@ -189,10 +197,7 @@ class UlyssesTrainerMixin:
         group = self.sp_mesh.sp_group
         with torch.no_grad(), self.compute_loss_context_manager():
             num_items = global_num_items(shard["shift_labels"], group=group)
-            loss = self.ulysses.forward_loss(
-                model, shard, num_items, tile_tokens=self.sp_config.tiled_loss_tokens, grad_average_world=1
-            )
-            loss = reported_loss(loss, 1, group=group)
+            loss = reported_loss(self._sp_loss(model, shard, num_items, 1), 1, group=group)
         return loss, None, None
 
     @property

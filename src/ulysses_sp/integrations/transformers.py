@@ -202,6 +202,12 @@ class UlyssesSP:
                     "(or UlyssesDataLoader) and call model(**sp.model_inputs(batch))."
                 )
             ulysses_mask = GlobalMask(query.shape[2], causal=getattr(module, "is_causal", True))
+        device_type = query.device.type
+        if torch.is_autocast_enabled(device_type):
+            # under autocast (Trainer / Accelerate bf16) RoPE leaves q, k in fp32 while v is bf16; SDPA and
+            # eager matmuls would run in the autocast dtype, so exchange and attend in it
+            dtype = torch.get_autocast_dtype(device_type)
+            query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
         out = self.attention(
             query, key, value, ulysses_mask, scaling=scaling, sliding_window=sliding_window, softcap=softcap, dropout=dropout
         )

@@ -1,0 +1,79 @@
+"""Ulysses SP inside TRL's ``SFTTrainer``.
+
+    trainer = UlyssesSFTTrainer(model=model, args=SFTConfig(..., packing=True, max_length=32768),
+                                train_dataset=ds, processing_class=tok,
+                                sp_config=UlyssesSPConfig(sp_size=4))
+
+Everything of :class:`~ulysses_sp.integrations.trainer.UlyssesTrainerMixin` applies (data split
+over DP replicas only, the step's global token count, one-process logging). SFT specifics:
+
+- ``max_length`` is the GLOBAL sequence length: TRL truncates / packs rows to it before the
+  collator; each SP rank then holds ``max_length / sp_size`` tokens.
+- Packing (BFD) and ``padding_free``: the collator's ``position_ids`` restart at 0 for every
+  document; the shard's global mask keeps documents apart (the collator's ``cu_seq_lens`` are not
+  needed). Completion-only and assistant-only loss arrive as ``-100`` labels and are simply not
+  counted.
+- The loss uses TRL's fused LM head (``model(..., shift_labels=..., fused_lm_head=True)``): per-token
+  log-probabilities computed in chunks, never the ``(B, s, V)`` logits, so ``tiled_loss_tokens``
+  is not needed here and is ignored. ``loss_type="dft"`` works. The ``entropy``,
+  ``mean_token_accuracy`` and ``num_tokens`` metrics are summed over the ranks' shards, so they are
+  the one-process values.
+- Not supported under SP (ValueError): the MoE router auxiliary loss, ``compute_loss_func``,
+  label smoothing, ``compute_metrics``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from trl import SFTTrainer
+
+from ulysses_sp.integrations.trainer import _GLOBAL_KEY, UlyssesTrainerMixin
+from ulysses_sp.integrations.transformers import UlyssesSP
+
+
+class UlyssesSFTTrainer(UlyssesTrainerMixin, SFTTrainer):
+    """``trl.SFTTrainer`` with Ulysses sequence parallelism (``sp_config=UlyssesSPConfig(...)``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.aux_loss_enabled:
+            raise ValueError(
+                "the MoE router auxiliary loss is computed from router logits of this rank's tokens only under sequence "
+                "parallelism; set SFTConfig(router_aux_loss_coef=0.0)."
+            )
+
+    def _sp_loss(
+        self, model: torch.nn.Module, shard: Mapping[str, Any], num_items: torch.Tensor | int, grad_average_world: int
+    ) -> torch.Tensor:
+        """``-sum(log p(target))`` over my tokens ``/ num_items * grad_average_world``, plus SFT's metrics.
+
+        TRL's fused head scores the pre-shifted ``shift_labels`` of the shard (``(B, s)``) without
+        building logits; metric sums go over the world (each token lives on exactly one rank).
+        """
+        mode = "train" if self.model.training else "eval"
+        out = model(**UlyssesSP.model_inputs(shard), shift_labels=shard["shift_labels"], fused_lm_head=True)
+        per_token = -out.log_probs
+        if self.args.loss_type == "dft":
+            per_token = per_token * out.log_probs.exp().detach()
+        count = torch.as_tensor(num_items, device=per_token.device, dtype=torch.float32).clamp(min=1)
+        loss = per_token.sum() / count * grad_average_world
+        sums = torch.stack([out.label_mask.sum(), out.entropy.detach().sum(), out.is_top1.sum()]).float()
+        dist.all_reduce(sums)
+        num_valid, entropy, correct = sums.tolist()
+        self._metrics[mode]["entropy"].append(entropy / num_valid if num_valid > 0 else 0.0)
+        self._metrics[mode]["mean_token_accuracy"].append(correct / num_valid if num_valid > 0 else 0.0)
+        return loss
+
+    def _track_num_input_tokens(self, inputs: Mapping[str, Any]) -> None:
+        """Also TRL's ``num_tokens``: non-padding tokens of the GLOBAL batch (padding-free: its length)."""
+        super()._track_num_input_tokens(inputs)
+        batch = inputs[_GLOBAL_KEY]
+        mask = batch.get("attention_mask")
+        local = mask.sum() if mask is not None else torch.tensor(batch["input_ids"].numel(), device=batch["input_ids"].device)
+        total = self.accelerator.gather(local.reshape(1).to(self.args.device)).sum().item()
+        self._total_train_tokens += int(total) // self.sp_mesh.sp_size
+        self._metrics["train"]["num_tokens"] = [self._total_train_tokens]
