@@ -14,6 +14,7 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("ulysses_sp.cli.demo", "SP attention on local processes vs one process"),
     "check": ("ulysses_sp.cli.check", "a Transformers model: loss and grads under SP vs one process"),
+    "plan": ("ulysses_sp.cli.plan", "predicted peak memory per rank and the memory features that fit a budget"),
     "bench": ("ulysses_sp.cli.bench", "step time, memory, bytes: our Ulysses vs DeepSpeed's, ring, one process"),
     "train": ("ulysses_sp.cli.train", "train a causal LM with SP (default: a long-range copy task, 2 processes)"),
 }

@@ -1,0 +1,208 @@
+"""Memory ablation: the longest trainable sequence under a fixed memory budget per rank.
+
+Ladder (every rung uses gradient checkpointing, as ALST does):
+
+    plain       one process, Transformers' own loss (full (S, V) logits)
+    tiled_loss  one process, lm_head + CE in token tiles (UlyssesSP.forward_loss(tile_tokens=))
+    ulysses     + Ulysses SP over P=2 processes
+    tiled_mlp   + MLPs in sequence tiles
+    offload     + checkpointed layer inputs offloaded to host memory
+
+For each rung: doubling from the previous rung's length, then bisection, to the longest S whose
+ONE forward + backward step has a measured peak <= budget on every rank. Each trial is a fresh set
+of processes (forked from a server that has imported torch/transformers but never ran a step).
+
+What "measured peak" is:
+    cpu:  peak resident set size of the process during the step minus its RSS just before the
+          step (Linux ``VmHWM`` after resetting it with ``/proc/self/clear_refs``). The process has
+          built the model and run one short warm-up step (thread pools, lazy inits), then dropped
+          its gradients, so the figure includes: activations, the autograd graph's saved tensors,
+          temporaries, collective buffers and the gradient buffers of all parameters. glibc is
+          told to serve every allocation >= 64 KiB by mmap (``MALLOC_MMAP_THRESHOLD_``) so freed
+          tensors leave the RSS at once and the RSS tracks live tensor bytes. On CPU "offload"
+          moves tensors to CPU memory, i.e. nowhere: that rung is measured but cannot gain here.
+    cuda: ``torch.cuda.max_memory_allocated()`` minus ``memory_allocated()`` before the step
+          (same content, exact allocator bytes); offloaded tensors are in host memory.
+
+Next to every measurement the memory model (``ulysses_sp.memory.model.estimate_peak_memory``)
+prints its prediction for the same setting.
+
+    .venv/bin/python benchmarks/memory_ablation.py                  # CPU, ~5-10 min on 2 cores
+    .venv/bin/python benchmarks/memory_ablation.py --device cuda --budget-mib 4096
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # before the fork server starts: see docstring
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+
+MODEL = dict(vocab_size=32000, hidden_size=128, intermediate_size=344, num_hidden_layers=2, num_attention_heads=2,
+             num_key_value_heads=2, max_position_embeddings=1 << 17, tie_word_embeddings=False)
+RUNGS = ("plain", "tiled_loss", "ulysses", "tiled_mlp", "offload")
+FEATURES = {  # rung -> (sp_size, tiled_loss, tiled_mlp, offload)
+    "plain": (1, False, False, False),
+    "tiled_loss": (1, True, False, False),
+    "ulysses": (2, True, False, False),
+    "tiled_mlp": (2, True, True, False),
+    "offload": (2, True, True, True),
+}
+LOSS_TILE, MLP_TILE, GRANULE = 32, 256, 64
+
+
+def _rss_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _build(device: str):
+    import transformers as tf
+
+    torch.manual_seed(0)
+    model = tf.LlamaForCausalLM(tf.LlamaConfig(**MODEL)).to(device)
+    model.config._attn_implementation = "sdpa"
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    return model.train()
+
+
+def _step(model, rung: str, seq_len: int, device: str) -> None:
+    from ulysses_sp.comm.mesh import SPMesh
+    from ulysses_sp.integrations.transformers import UlyssesSP
+    from ulysses_sp.loss import global_num_items
+
+    sp_size, tiled_loss, tiled_mlp, offload = FEATURES[rung]
+    ids = torch.randint(1, MODEL["vocab_size"], (1, seq_len), generator=torch.Generator().manual_seed(seq_len))
+    if rung == "plain":
+        ids = ids.to(device)
+        model(input_ids=ids, labels=ids).loss.backward()
+        return
+    mesh = SPMesh.from_world(sp_size, device_type=device)
+    with UlyssesSP(model, mesh, tiled_mlp_tokens=MLP_TILE if tiled_mlp else None, offload_activations=offload) as sp:
+        shard = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in sp.shard({"input_ids": ids}).items()}
+        num_items = global_num_items(shard["shift_labels"], mesh.sp_group)
+        sp.forward_loss(model, shard, num_items, tile_tokens=LOSS_TILE if tiled_loss else None).backward()
+
+
+def trial_worker(rank: int, world: int, rung: str, seq_len: int, device: str, out_dir: str) -> None:
+    """One trial on one rank: build, warm up, measure one step, write ``rank<r>.json``."""
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    model = _build(device)
+    _step(model, rung, 2 * GRANULE, device)  # warm-up: lazy inits, thread pools
+    for p in model.parameters():
+        p.grad = None
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    else:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset VmHWM to the current RSS
+        base = _rss_kib("VmRSS") * 1024
+    start = time.perf_counter()
+    _step(model, rung, seq_len, device)
+    if device == "cuda":
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+    else:
+        peak = _rss_kib("VmHWM") * 1024 - base
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"peak": peak, "seconds": time.perf_counter() - start}, f)
+
+
+def measure(rung: str, seq_len: int, device: str) -> dict:
+    """Run one trial in fresh processes; the largest per-rank peak and the step time."""
+    from ulysses_sp.comm import launch
+
+    world = FEATURES[rung][0]
+    with tempfile.TemporaryDirectory() as out_dir:
+        launch.spawn(trial_worker, world, rung, seq_len, device, out_dir, backend="nccl" if device == "cuda" else "gloo",
+                     timeout_s=900, preload=["transformers", "transformers.models.llama.modeling_llama",
+                                             "ulysses_sp.integrations.transformers"])
+        results = [json.load(open(os.path.join(out_dir, f"rank{r}.json"))) for r in range(world)]
+    return {"peak": max(r["peak"] for r in results), "seconds": max(r["seconds"] for r in results)}
+
+
+def predict(rung: str, seq_len: int, device: str) -> int:
+    from ulysses_sp.memory.model import MemoryFeatures, estimate_peak_memory
+
+    sp_size, tiled_loss, tiled_mlp, offload = FEATURES[rung]
+    features = MemoryFeatures(checkpointing=True, tiled_loss_tokens=LOSS_TILE if tiled_loss else None,
+                              tiled_mlp_tokens=MLP_TILE if tiled_mlp else None, offload=offload,
+                              host_is_device=device == "cpu")
+    return estimate_peak_memory(MODEL, seq_len, sp_size, torch.float32, features).peak_bytes
+
+
+def longest(rung: str, start: int, budget: int, device: str, log) -> tuple[int, dict]:
+    """Doubling from ``start`` then bisection (to ``GRANULE`` tokens): the longest S that fits."""
+    fits: dict[int, dict] = {}
+
+    def fit(s: int) -> bool:
+        m = measure(rung, s, device)
+        m["predicted"] = predict(rung, s, device)
+        log(f"  {rung:<10} S={s:>7}  measured {m['peak'] / 2**20:8.1f} MiB  predicted {m['predicted'] / 2**20:8.1f} MiB"
+            f"  ({m['seconds']:.1f}s step)  {'fits' if m['peak'] <= budget else 'over'}")
+        if m["peak"] <= budget:
+            fits[s] = m
+        return m["peak"] <= budget
+
+    lo, hi = 0, max(GRANULE, start // GRANULE * GRANULE)
+    while fit(hi):
+        lo, hi = hi, hi * 2
+    if lo == 0:
+        lo = GRANULE
+        while lo < hi and not fit(lo):
+            hi, lo = lo, lo // 2
+    while hi - lo > GRANULE and hi > lo * 1.05:
+        mid = (lo + hi) // 2 // GRANULE * GRANULE
+        lo, hi = (mid, hi) if fit(mid) else (lo, mid)
+    return lo, fits[lo]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--budget-mib", type=float, default=192.0, help="memory budget per rank (MiB)")
+    parser.add_argument("--rungs", nargs="+", choices=RUNGS, default=list(RUNGS))
+    parser.add_argument("--out", help="write the markdown table here too")
+    args = parser.parse_args(argv)
+    budget = int(args.budget_mib * 2**20)
+    lines: list[str] = []
+
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+        lines.append(msg)
+
+    log(f"model {MODEL}; budget {args.budget_mib} MiB per rank; device {args.device}; fp32; checkpointing on")
+    rows, start, base_len, t0 = [], 512, None, time.time()
+    for rung in args.rungs:
+        length, m = longest(rung, start, budget, args.device, log)
+        base_len = base_len or length
+        err = (m["predicted"] - m["peak"]) / m["peak"]
+        rows.append(f"| {rung} | {FEATURES[rung][0]} | {length} | {length / base_len:.1f}x | "
+                    f"{m['peak'] / 2**20:.1f} | {m['predicted'] / 2**20:.1f} | {err:+.1%} | {m['seconds']:.1f} |")
+        start = length
+    table = ["", "| rung | P | longest S | vs plain | measured peak MiB/rank | predicted MiB | error | step s |",
+             "|---|---|---|---|---|---|---|---|", *rows, "", f"total benchmark time {time.time() - t0:.0f} s"]
+    for line in table:
+        log(line)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("```\n" + "\n".join(lines[: -len(table)]) + "\n```\n" + "\n".join(table) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+    sys.exit(main())
