@@ -58,7 +58,7 @@ def markdown(records: Sequence[dict], command: str = "") -> str:
         "Bytes: sent by one rank per attention layer per step (forward + backward), counted by wrapping the "
         "torch.distributed calls; formula in the last column.",
         "",
-        "| S | P | system | median step s | step / ulysses step | peak MiB | attn bytes/layer | formula | meas/formula "
+        "| S | P | system | median (min) step s | step / ulysses step | peak MiB | attn bytes/layer | formula | meas/formula "
         "| collectives/layer fwd (bwd) | loss | formula |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -72,7 +72,8 @@ def markdown(records: Sequence[dict], command: str = "") -> str:
             speed = f"{r['median_step_seconds'] / ours['median_step_seconds']:.2f}" if ours else "-"
         f = r["formula_bytes_sent_per_rank"]
         lines.append(
-            f"| {r['seq_len']} | {r['sp_size']} | {r['system']} | {r['median_step_seconds']:.3f} | {speed} "
+            f"| {r['seq_len']} | {r['sp_size']} | {r['system']} | {r['median_step_seconds']:.3f} "
+            f"({r.get('min_step_seconds', r['median_step_seconds']):.3f}) | {speed} "
             f"| {r['peak_memory_bytes'] / MiB:.0f} | {r['bytes_sent_per_rank']:,} | {f:,} "
             f"| {(r['bytes_sent_per_rank'] / f if f else 1.0):.3f} "
             f"| {r['collectives_per_layer']:g} ({r['collectives_per_layer_backward']:g}) | {r['loss']:.6f} | {r['formula']} |"

@@ -144,7 +144,7 @@ def _worker(rank: int, world: int, job: Job, out_path: str) -> None:
     comm.update(bytes_sent_per_rank_forward=int(max(bytes_fwd)), bytes_sent_per_rank_backward=int(max(bytes_bwd)))
     record = {
         "system": job.system, "sp_size": job.sp_size, "seq_len": job.seq_len, "batch_size": job.batch_size,
-        "median_step_seconds": statistics.median(slowest), "step_seconds": slowest,
+        "median_step_seconds": statistics.median(slowest), "min_step_seconds": min(slowest), "step_seconds": slowest,
         "peak_memory_bytes": int(max(peak)), "peak_memory_bytes_per_rank": [int(p) for p in peak],
         "bytes_sent_per_rank": comm["bytes_sent_per_rank_forward"] + comm["bytes_sent_per_rank_backward"],
         **comm,
