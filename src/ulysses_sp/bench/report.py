@@ -23,6 +23,7 @@ def check_records(records: Sequence[dict], loss_rtol: float = 1e-4, bytes_rtol: 
     layers); 1e-4 is far above that and far below any real bug (wrong mask, missing tokens).
     """
     problems = []
+    records = [r for r in records if r.get("mode") != "paired"]
     for r in records:
         ref = _find(records, "single", 1, r["seq_len"]) or next(
             (x for x in records if x["seq_len"] == r["seq_len"] and x["system"] == "ulysses"), None)
@@ -39,6 +40,7 @@ def check_records(records: Sequence[dict], loss_rtol: float = 1e-4, bytes_rtol: 
 
 def markdown(records: Sequence[dict], command: str = "") -> str:
     """The full report: machine, model, per-configuration table, scaling table, formulas."""
+    records = [r for r in records if r.get("mode") != "paired"]
     if not records:
         return "no records\n"
     first = records[0]
@@ -108,6 +110,7 @@ def plots(records: Sequence[dict], out_dir: str) -> list[str]:
     import matplotlib.pyplot as plt
 
     os.makedirs(out_dir, exist_ok=True)
+    records = [r for r in records if r.get("mode") != "paired"]
     paths = []
     series = sorted({(r["system"], r["sp_size"]) for r in records}, key=lambda c: (c[0], c[1]))
     for field, label, scale, name in [

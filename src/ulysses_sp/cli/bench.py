@@ -37,6 +37,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                         help="default float32 on CPU, bfloat16 on CUDA")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument("--mode", choices=["isolated", "paired", "both"], default="both",
+                        help="isolated: each configuration in its own processes (time, memory, bytes); paired: the SP "
+                        "systems of one (P, S) in the same processes with alternating steps (step-time ratios robust "
+                        "to background load); default both")
     parser.add_argument("--json", metavar="FILE", help="write the records (a JSON list) here")
     parser.add_argument("--markdown", metavar="FILE", help="write the markdown report here")
     parser.add_argument("--plots", metavar="DIR", help="write step_time.png, peak_memory.png, bytes_sent.png here")
@@ -84,17 +88,23 @@ def run(args: argparse.Namespace) -> int:
     if not cuda:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before the fork server starts: every worker inherits it
     from ulysses_sp.bench import check_records, markdown, plots, run_job
+    from ulysses_sp.bench.paired import paired_table
 
     jobs, skipped = _jobs(args, cuda, torch.cuda.device_count() if cuda else 0)
     preload = ("deepspeed",) if any(j.system == "deepspeed" for j in jobs) else ()
     records = []
-    for i, job in enumerate(jobs):
-        record = run_job(job, preload=preload)
-        records.append(record)
-        print(f"[{i + 1}/{len(jobs)}] {job.system:9s} P={job.sp_size} S={job.seq_len}: "
-              f"{record['median_step_seconds']:.3f} s, loss {record['loss']:.6f}", file=sys.stderr, flush=True)
+    if args.mode in ("isolated", "both"):
+        for i, job in enumerate(jobs):
+            record = run_job(job, preload=preload)
+            records.append(record)
+            print(f"[{i + 1}/{len(jobs)}] {job.system:9s} P={job.sp_size} S={job.seq_len}: "
+                  f"{record['median_step_seconds']:.3f} s, loss {record['loss']:.6f}", file=sys.stderr, flush=True)
+    paired = _paired(jobs, args.repeats, preload) if args.mode in ("paired", "both") else []
     command = "ulysses-sp " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["bench"] else ""
-    report = markdown(records, command)
+    report = markdown(records, command) if records else ""
+    if paired:
+        report += "\n" + "\n".join(paired_table(paired)) + "\n"
+    records += paired
     if skipped:
         report += "\nSkipped: " + "; ".join(skipped) + "\n"
     print(report)
@@ -107,3 +117,16 @@ def run(args: argparse.Namespace) -> int:
     if args.plots:
         plots(records, args.plots)
     return 1 if check_records(records) else 0
+
+
+def _paired(jobs: list, rounds: int, preload: tuple[str, ...]) -> list[dict]:
+    from ulysses_sp.bench.paired import run_paired
+
+    out = []
+    for key in sorted({(j.seq_len, j.sp_size) for j in jobs if j.system != "single"}):
+        group = [j for j in jobs if (j.seq_len, j.sp_size) == key and j.system != "single"]
+        records = run_paired(group, rounds, preload=preload)
+        print(f"[paired] P={key[1]} S={key[0]}: " + ", ".join(f"{r['system']} {r['median_step_seconds']:.3f} s"
+                                                          for r in records), file=sys.stderr, flush=True)
+        out += records
+    return out
