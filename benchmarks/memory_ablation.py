@@ -8,8 +8,9 @@ Ladder (every rung uses gradient checkpointing, as ALST does):
     tiled_mlp   + MLPs in sequence tiles
     offload     + checkpointed layer inputs offloaded to host memory
 
-For each rung: doubling from the previous rung's length, then bisection, to the longest S whose
-ONE forward + backward step has a measured peak <= budget on every rank. Each trial is a fresh set
+For each rung: bracketing (x1.25 steps, starting where the memory model predicts the limit) then
+bisection to 5%, to the longest S whose ONE forward + backward step has a measured peak <= budget
+on every rank (see ``longest``). Each trial is a fresh set
 of processes (forked from a server that has imported torch/transformers but never ran a step).
 
 What "measured peak" is:
@@ -27,8 +28,8 @@ What "measured peak" is:
 Next to every measurement the memory model (``ulysses_sp.memory.model.estimate_peak_memory``)
 prints its prediction for the same setting.
 
-    .venv/bin/python benchmarks/memory_ablation.py                  # CPU, ~5-10 min on 2 cores
-    .venv/bin/python benchmarks/memory_ablation.py --device cuda --budget-mib 4096
+    .venv/bin/python benchmarks/memory_ablation.py --out benchmarks/results/memory_ablation_cpu.md
+    .venv/bin/python benchmarks/memory_ablation.py --device cuda --budget-mib 4096   # needs 2 GPUs for P=2
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ FEATURES = {  # rung -> (sp_size, tiled_loss, tiled_mlp, offload)
     "tiled_mlp": (2, True, True, False),
     "offload": (2, True, True, True),
 }
-LOSS_TILE, MLP_TILE, GRANULE = 32, 256, 64
+LOSS_TILE, MLP_TILE, GRANULE = 32, 256, 32
 
 
 def _rss_kib(field: str) -> int:
@@ -99,7 +100,7 @@ def trial_worker(rank: int, world: int, rung: str, seq_len: int, device: str, ou
     if device == "cuda":
         torch.cuda.set_device(rank)
     model = _build(device)
-    _step(model, rung, 2 * GRANULE, device)  # warm-up: lazy inits, thread pools
+    _step(model, rung, 128, device)  # warm-up: lazy inits, thread pools
     for p in model.parameters():
         p.grad = None
     if device == "cuda":
@@ -144,36 +145,62 @@ def predict(rung: str, seq_len: int, device: str) -> int:
     return estimate_peak_memory(MODEL, seq_len, sp_size, torch.float32, features).peak_bytes
 
 
-def longest(rung: str, start: int, budget: int, device: str, log) -> tuple[int, dict]:
-    """Doubling from ``start`` then bisection (to ``GRANULE`` tokens): the longest S that fits."""
+def longest(rung: str, budget: int, device: str, log) -> tuple[int, dict]:
+    """The longest S (multiple of ``GRANULE * P``) whose measured peak fits ``budget``.
+
+    Bracketing starts at the memory model's prediction and moves in x1.25 steps until one length
+    fits and a longer one does not; then bisection until the bracket is within 5% (or one step).
+    The model only picks where to look: every reported length is measured to fit, and a length
+    at most 5% longer is measured not to.
+    """
+    from ulysses_sp.memory.model import MemoryFeatures, longest_sequence
+
+    sp_size, tiled_loss, tiled_mlp, offload = FEATURES[rung]
+    step = GRANULE * sp_size
+    features = MemoryFeatures(tiled_loss_tokens=LOSS_TILE if tiled_loss else None,
+                              tiled_mlp_tokens=MLP_TILE if tiled_mlp else None, offload=offload,
+                              host_is_device=device == "cpu")
+    guess = longest_sequence(MODEL, sp_size, torch.float32, features, budget, granule=GRANULE, include_static=False)
     fits: dict[int, dict] = {}
 
     def fit(s: int) -> bool:
         m = measure(rung, s, device)
         m["predicted"] = predict(rung, s, device)
-        log(f"  {rung:<10} S={s:>7}  measured {m['peak'] / 2**20:8.1f} MiB  predicted {m['predicted'] / 2**20:8.1f} MiB"
-            f"  ({m['seconds']:.1f}s step)  {'fits' if m['peak'] <= budget else 'over'}")
-        if m["peak"] <= budget:
+        ok = m["peak"] <= budget
+        log(f"  {rung:<10} S={s:>7}  measured {m['peak'] / 2**20:7.1f} MiB  predicted {m['predicted'] / 2**20:7.1f} MiB"
+            f"  ({(m['predicted'] - m['peak']) / m['peak']:+.1%})  step {m['seconds']:.1f}s  {'fits' if ok else 'over'}")
+        if ok:
             fits[s] = m
-        return m["peak"] <= budget
+        return ok
 
-    lo, hi = 0, max(GRANULE, start // GRANULE * GRANULE)
-    while fit(hi):
-        lo, hi = hi, hi * 2
-    if lo == 0:
-        lo = GRANULE
-        while lo < hi and not fit(lo):
-            hi, lo = lo, lo // 2
-    while hi - lo > GRANULE and hi > lo * 1.05:
-        mid = (lo + hi) // 2 // GRANULE * GRANULE
+    def rounded(x: float) -> int:
+        return max(step, int(x) // step * step)
+
+    s = rounded(guess)
+    if fit(s):
+        lo, hi = s, rounded(s * 1.25) + step
+        while fit(hi):
+            lo, hi = hi, rounded(hi * 1.25) + step
+    else:
+        lo, hi = 0, s
+        while hi > step:
+            s = rounded(hi / 1.25)
+            if fit(s):
+                lo = s
+                break
+            hi = s
+    while lo and hi - lo > step and hi > lo * 1.05:
+        mid = rounded((lo + hi) / 2)
         lo, hi = (mid, hi) if fit(mid) else (lo, mid)
+    if not lo:
+        raise RuntimeError(f"{rung}: not even S={step} fits the budget; raise --budget-mib.")
     return lo, fits[lo]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--budget-mib", type=float, default=192.0, help="memory budget per rank (MiB)")
+    parser.add_argument("--budget-mib", type=float, default=48.0, help="memory budget per rank (MiB) for one step (activations + grads)")
     parser.add_argument("--rungs", nargs="+", choices=RUNGS, default=list(RUNGS))
     parser.add_argument("--out", help="write the markdown table here too")
     args = parser.parse_args(argv)
@@ -185,14 +212,13 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(msg)
 
     log(f"model {MODEL}; budget {args.budget_mib} MiB per rank; device {args.device}; fp32; checkpointing on")
-    rows, start, base_len, t0 = [], 512, None, time.time()
+    rows, base_len, t0 = [], None, time.time()
     for rung in args.rungs:
-        length, m = longest(rung, start, budget, args.device, log)
+        length, m = longest(rung, budget, args.device, log)
         base_len = base_len or length
         err = (m["predicted"] - m["peak"]) / m["peak"]
         rows.append(f"| {rung} | {FEATURES[rung][0]} | {length} | {length / base_len:.1f}x | "
                     f"{m['peak'] / 2**20:.1f} | {m['predicted'] / 2**20:.1f} | {err:+.1%} | {m['seconds']:.1f} |")
-        start = length
     table = ["", "| rung | P | longest S | vs plain | measured peak MiB/rank | predicted MiB | error | step s |",
              "|---|---|---|---|---|---|---|---|", *rows, "", f"total benchmark time {time.time() - t0:.0f} s"]
     for line in table:

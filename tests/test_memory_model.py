@@ -67,7 +67,7 @@ def test_feature_terms_scale_as_documented():
     and on a CPU-only machine offload frees nothing."""
     f = MemoryFeatures
     plain = estimate_peak_memory(LLAMA, 8192, 1, torch.float32, f())
-    assert plain.phase == "loss" and plain.terms["loss"] == 3 * 8192 * 32000 * 4
+    assert plain.phase == "loss" and plain.terms["loss"] == (3 * 32000 * 4 + 5 * 256 * 4) * 8192
     tiled = estimate_peak_memory(LLAMA, 8192, 1, torch.float32, f(tiled_loss_tokens=64))
     assert tiled.peak_bytes < plain.peak_bytes / 5
     sp = estimate_peak_memory(LLAMA, 8192, 2, torch.float32, f(tiled_loss_tokens=64))

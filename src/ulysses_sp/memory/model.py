@@ -7,16 +7,17 @@ Symbols: ``S`` global sequence, ``P`` SP size, ``B`` batch, ``T = B * ceil(S / P
 One step with gradient checkpointing passes three candidate peaks; the largest is the peak:
 
     loss phase   ckpt + loss buffers          untiled: logits, their log-softmax, its grad: 3*T*V*4
-                                              (+ T*V*e logits kept when e < 4)
-                                              tiled:   3*t*V*4 tile buffers + fp32 (V, D) lm_head
-                                                       grad accumulator + hidden and its grad 2*T*D*e
+                 + 5*T*D*e hidden-sized       (+ T*V*e logits kept when e < 4)
+                 (final norm in/out, hidden,  tiled:   one fp32 (t, V) tile buffer + the fp32 (V, D)
+                 its grad, the norm's grad)            lm_head grad accumulator + the (V, D) matmul
+                                                       result added into it per tile: V*D*(4 + e)
     layer phase  ckpt + one layer's backward  saved by the recompute: 4D + 3NH + 2KH per token
                  + lm_head grad V*D*e         (two norms' outputs, q/k after RoPE, v, attention
                                               output and its reshaped copy), plus the larger of
                                               MLP: 6*I live (gate, act, up, their grads) + 2D
                                               attention: grads of q/k/v/out 2NH + 2KH + D
                                               (+ NH + 2KH all-to-all buffers when P > 1)
-    grads phase  all parameter grads + the dense (V, D) embedding grad being produced
+    grads phase  all parameter grads + 2*T*D*e (the embedding's incoming grad)
 
     ckpt = L * T * D * e   the checkpointed layer inputs (0 on the device with offload: they are
                            in host memory; on a CPU-only machine the host IS the device)
@@ -157,9 +158,9 @@ def estimate_peak_memory(
     ckpt_on_device = 0 if features.offload and not features.host_is_device else ckpt
     if features.tiled_loss_tokens:
         t = min(T, features.tiled_loss_tokens)
-        loss = 3 * t * V * 4 + V * D * 4 + 2 * T * D * e
+        loss = t * V * 4 + V * D * (4 + e) + 5 * T * D * e
     else:
-        loss = 3 * T * V * 4 + (T * V * e if e < 4 else 0)
+        loss = 3 * T * V * 4 + (T * V * e if e < 4 else 0) + 5 * T * D * e
     grads = m.num_params * e // state_shards
     head_grad = V * D * e // state_shards
     terms = {"checkpointed_inputs": ckpt, "layer_backward": layer, "loss": loss, "lm_head_grad": head_grad,
@@ -167,7 +168,7 @@ def estimate_peak_memory(
     phases = {
         "loss": ckpt_on_device + loss,
         "layer": ckpt_on_device + layer + head_grad,
-        "grads": grads + V * D * e,
+        "grads": grads + 2 * T * D * e,
     }
     static = {"weights": m.num_params * e // state_shards}
     if optimizer == "adam":
