@@ -252,33 +252,47 @@ def test_moe_tiles_run_keys_kept_and_router_jitter_refused():
         TiledMoE(block, 4)
 
 
+def _moe_batch(r):  # different lengths per rank -> different tile counts (6 and 9 tiles of 2*4 rows)
+    return torch.randint(1, 128, (2, 23 + 12 * r), generator=torch.Generator().manual_seed(r))
+
+
 def _ddp_moe_worker(rank, world):
     import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    def batch(r):  # different lengths per rank -> different tile counts (6 and 9 tiles of 2*4 rows)
-        return torch.randint(1, 128, (2, 23 + 12 * r), generator=torch.Generator().manual_seed(r))
-
     ref = moe_model("mixtral")
-    sum(ref(input_ids=batch(r), labels=batch(r)).loss for r in range(world)).div(world).backward()
+    sum(ref(input_ids=_moe_batch(r), labels=_moe_batch(r)).loss for r in range(world)).div(world).backward()
     model = moe_model("mixtral")
     apply_tiled_mlp(model, 4)
     ddp = DDP(model)
     calls = []
     expert = model.model.layers[0].mlp.mlp.experts.gate_up_proj
     expert.register_post_accumulate_grad_hook(lambda p: calls.append(1))
-    ddp(input_ids=batch(rank), labels=batch(rank)).loss.backward()
+    ddp(input_ids=_moe_batch(rank), labels=_moe_batch(rank)).loss.backward()
     assert len(calls) == 1  # accumulated once per backward, not once per tile
     for (name, p), r in zip(model.named_parameters(), ref.parameters()):
         # DDP's bucketed all-reduce vs one-process sum: fp32 summation order only
         torch.testing.assert_close(p.grad, r.grad, rtol=1e-4, atol=1e-5, msg=name)
+    model = moe_model("mixtral")  # FSDP2: params sharded, unsharded around each layer's fwd / bwd
+    apply_tiled_mlp(model, 4)
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model(input_ids=_moe_batch(rank), labels=_moe_batch(rank)).loss.backward()
+    for (name, p), r in zip(model.named_parameters(), ref.parameters()):
+        # reduce-scatter average vs one-process sum: fp32 summation order only
+        torch.testing.assert_close(p.grad.full_tensor(), r.grad, rtol=1e-4, atol=1e-5, msg=name)
     dist.barrier()
 
 
-def test_moe_under_ddp_different_tile_counts_per_rank():
-    """Catches a deadlock or wrong reduction when DDP ranks run different numbers of MoE tiles
-    (a collective per tile would hang; grads accumulated per tile would trigger DDP's reduction
-    hooks more than once) and averaged grads differing from one process on both ranks' batches."""
+def test_moe_under_ddp_and_fsdp2_different_tile_counts_per_rank():
+    """Catches a deadlock or wrong reduction when DDP / FSDP2 ranks run different numbers of MoE
+    tiles (a collective per tile would hang; grads accumulated per tile would trigger the
+    reduction hooks more than once; FSDP2 resharding between forward and the tiled backward
+    would break the recompute) and averaged grads differing from one process on both batches."""
     from dist_helper import spawn
 
     spawn(_ddp_moe_worker, 2)
