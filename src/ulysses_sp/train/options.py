@@ -24,7 +24,7 @@ TRAINING_DEFAULTS: dict[str, Any] = dict(
     output_dir=None, max_steps=200, per_device_train_batch_size=8, learning_rate=3e-3, warmup_steps=20,
     lr_scheduler_type="constant_with_warmup", weight_decay=0.0, max_grad_norm=1.0, logging_steps=10,
     save_strategy="no", report_to="none", seed=0, dataloader_drop_last=True, remove_unused_columns=False,
-    disable_tqdm=True, use_cpu=False, include_num_input_tokens_seen="non_padding",
+    disable_tqdm=True, use_cpu=False, include_num_input_tokens_seen=True,
     ddp_find_unused_parameters=False,
 )
 

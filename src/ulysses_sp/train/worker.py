@@ -90,6 +90,8 @@ def main(argv: list[str], output_dir: str) -> dict[str, Any] | None:
         staging.mkdir(parents=True)
     dist.barrier()
     targs.output_dir = str(staging)
+    if targs.include_num_input_tokens_seen == "all":  # the parser only takes booleans: count real tokens
+        targs.include_num_input_tokens_seen = "non_padding"
     model = build_model(margs, targs.seed)
     train_dataset, collator, eval_rows, tokenizer = build_data(margs, targs.seed)
     callback = MetricsCallback(staging / "metrics.jsonl", eval_rows, progress=True)
