@@ -133,6 +133,11 @@ class _Ring:
         return recv, dist.batch_isend_irecv(ops)
 
 
+def _wait(works: list) -> None:
+    for work in works:
+        work.wait()
+
+
 def _pack(*tensors: torch.Tensor) -> torch.Tensor:
     return torch.cat([t.reshape(-1) for t in tensors])
 
@@ -161,7 +166,7 @@ class _RingAttention(torch.autograd.Function):
                     o_t, lse_t = _block_forward(q, kt, vt, allowed, diag, scale)
                     o, lse = (o_t, lse_t) if o is None else _merge(o, lse, o_t, lse_t)
             if pending is not None:
-                [w.wait() for w in pending[1]]
+                _wait(pending[1])
                 buf = pending[0]
         out = o.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -191,7 +196,7 @@ class _RingAttention(torch.autograd.Function):
                     dv_t += g[2]
             if P > 1:  # the accumulator of the block I hold goes one hop on; the P-th hop reaches its owner
                 dkv_next, works = ring.start(dkv)
-                [w.wait() for w in works + (pending[1] if pending else [])]
+                _wait(works + (pending[1] if pending else []))
                 dkv = dkv_next
                 buf = pending[0] if pending else buf
         dk, dv = _unpack(dkv, (k, v))
