@@ -11,10 +11,8 @@ A tiny random Llama (hidden 64, 4 heads, 2 kv heads) trains on synthetic right-p
 of random lengths (so micro-batches hold different numbers of tokens) with AdamW, gradient
 clipping and gradient accumulation. Rank 0 writes one JSON line per optimizer step (step, loss =
 global token mean of the step, grad_norm before clipping) to ``--log-file``.
-
-``--reference`` trains the same model in one process WITHOUT ulysses-sp: each optimizer step is
-one forward of all its micro-batches concatenated, with Transformers' own loss (the token mean).
-SP runs must reproduce its losses and gradient norms.
+``tests/test_accelerate.py`` checks these against one process training the same model WITHOUT
+ulysses-sp on each step's micro-batches concatenated (Transformers' own loss).
 """
 
 import argparse
@@ -43,7 +41,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--save-at", type=int, default=None, help="save the state after this step and go on")
     p.add_argument("--stop-after", type=int, default=None, help="save the state after this step and exit")
     p.add_argument("--resume-from", default=None, help="a --save-dir to continue from")
-    p.add_argument("--reference", action="store_true", help="one process, no SP, whole step in one batch")
     return p.parse_args()
 
 
@@ -65,13 +62,10 @@ def build_dataset(num: int, seq_len: int) -> list[dict[str, torch.Tensor]]:
 
 def main() -> None:
     args = parse_args()
-    accelerator = Accelerator(cpu=not torch.cuda.is_available(),
-                              gradient_accumulation_steps=1 if args.reference else args.grad_accum)
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(), gradient_accumulation_steps=args.grad_accum)
     model = build_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     data = build_dataset(args.global_batch * args.grad_accum * args.steps_per_epoch, args.seq_len)
-    if args.reference:
-        return train_reference(args, accelerator, model, optimizer, data)
 
     sp = UlyssesAccelerate(accelerator, UlyssesSPConfig(sp_size=args.sp_size, tiled_loss_tokens=args.tiled_loss_tokens))
     if args.global_batch % sp.mesh.dp_size:
@@ -103,26 +97,6 @@ def main() -> None:
                     return
                 if step == args.steps:
                     break
-
-
-def train_reference(args, accelerator, model, optimizer, data) -> None:
-    """One process, plain Transformers loss on the concatenation of each step's micro-batches."""
-    model, optimizer = accelerator.prepare(model, optimizer)
-    loader = DataLoader(data, batch_size=args.global_batch * args.grad_accum, shuffle=False)
-    log = open(args.log_file, "w") if args.log_file else None
-    generator = torch.Generator().manual_seed(0)  # the order UlyssesAccelerateLoader uses with one replica
-    for step in range(1, args.steps + 1):
-        epoch, i = divmod(step - 1, args.steps_per_epoch)
-        order = torch.randperm(len(data), generator=generator.manual_seed(epoch)).tolist()
-        rows = [data[j] for j in order[i * len(order) // args.steps_per_epoch:(i + 1) * len(order) // args.steps_per_epoch]]
-        batch = {k: torch.stack([r[k] for r in rows]).to(accelerator.device) for k in rows[0]}
-        labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
-        loss = model(**batch, labels=labels).loss
-        accelerator.backward(loss)
-        grad_norm = accelerator.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad()
-        write(log, step, loss.item(), grad_norm)
 
 
 def write(log, step: int, loss: float, grad_norm: torch.Tensor) -> None:

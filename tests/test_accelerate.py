@@ -1,6 +1,7 @@
 """Ulysses SP in a custom Accelerate loop: Accelerate's config names, errors before training, and
 examples/accelerate_train.py launched with ``accelerate launch`` against a one-process reference."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -8,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from dist_helper import spawn
 
 from ulysses_sp.config import UlyssesSPConfig
@@ -127,12 +129,43 @@ def run_example(tmp: Path, name: str, nproc: int, *args: str) -> list[dict]:
     return [json.loads(line) for line in log.read_text().splitlines()]
 
 
+def reference_run(steps: int = 4, steps_per_epoch: int = 2, grad_accum: int = 2, global_batch: int = 2,
+                  seq_len: int = 63) -> list[dict]:
+    """The example's model and data trained in THIS process without ulysses-sp or Accelerate: each
+    optimizer step is one forward of its micro-batches concatenated, Transformers' own loss (the
+    token mean over the step), AdamW, clipping. Step i of epoch e uses the sequences the example's
+    dp-split loader gives that step: ``randperm(n, seed=0 + e)[i * A * G:(i + 1) * A * G]``."""
+    spec = importlib.util.spec_from_file_location("accelerate_train", ROOT / "examples" / "accelerate_train.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    with torch.random.fork_rng():
+        model = example.build_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    per_step = global_batch * grad_accum
+    data = example.build_dataset(per_step * steps_per_epoch, seq_len)
+    log = []
+    for step in range(1, steps + 1):
+        epoch, i = divmod(step - 1, steps_per_epoch)
+        order = torch.randperm(len(data), generator=torch.Generator().manual_seed(epoch)).tolist()
+        rows = [data[j] for j in order[i * per_step:(i + 1) * per_step]]
+        batch = {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
+        loss = model(**batch, labels=batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)).loss
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        log.append({"step": step, "loss": loss.item(), "grad_norm": grad_norm.item()})
+    return log
+
+
 @pytest.fixture(scope="module")
 def sp2_run(tmp_path_factory):
-    """2 processes, sp_size 2, gradient accumulation 2, 4 steps over 2 shuffled epochs; the state
-    after step 2 is saved (training goes on) for the resume test."""
+    """2 processes, sp_size 2, gradient accumulation 2, 4 steps over 2 shuffled epochs, tiled loss
+    (24-token tiles: not dividing the 32-token shards); the state after step 2 is saved (training
+    goes on) for the resume test."""
     tmp = tmp_path_factory.mktemp("accelerate")
-    log = run_example(tmp, "sp2", 2, "--sp-size", "2", "--save-at", "2", "--save-dir", str(tmp / "ckpt"))
+    log = run_example(tmp, "sp2", 2, "--sp-size", "2", "--tiled-loss-tokens", "24", "--save-at", "2",
+                      "--save-dir", str(tmp / "ckpt"))
     return tmp, log
 
 
@@ -141,9 +174,9 @@ def test_accelerate_sp2_matches_one_process_reference_step_by_step(sp2_run):
     a loss not normalised by the whole step's token count (micro-batches hold different numbers of
     tokens), Accelerate's division by gradient_accumulation_steps left uncorrected, SP ranks
     reading different data or Accelerate splitting batches over SP ranks, lost shard-boundary
-    targets."""
+    targets, a tiled loss whose lm_head gradient misses DDP's reduction."""
     tmp, sp = sp2_run
-    reference = run_example(tmp, "reference", 1, "--reference")
+    reference = reference_run()
     assert [r["step"] for r in sp] == [1, 2, 3, 4] == [r["step"] for r in reference]
     for a, b in zip(sp, reference):
         # fp32; only the summation order differs (sharded CE sums, all-reduces, per-token vs
@@ -158,7 +191,8 @@ def test_accelerate_resume_matches_uninterrupted_run(sp2_run):
     epoch, or loses the optimizer's moments: steps 3 and 4 after load_state must equal the run
     that never stopped."""
     tmp, sp = sp2_run
-    resumed = run_example(tmp, "resumed", 2, "--sp-size", "2", "--resume-from", str(tmp / "ckpt"))
+    resumed = run_example(tmp, "resumed", 2, "--sp-size", "2", "--tiled-loss-tokens", "24",
+                          "--resume-from", str(tmp / "ckpt"))
     assert [r["step"] for r in resumed] == [3, 4]
     for a, b in zip(resumed, sp[2:]):
         # same processes, same layout, same state: identical up to nondeterministic gloo

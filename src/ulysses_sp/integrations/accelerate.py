@@ -86,13 +86,15 @@ def config_from_accelerate(source: Any = None, **ours: Any) -> UlyssesSPConfig:
     Raises:
         ValueError: for values ulysses-sp cannot honour, naming what to write instead:
             ``sp_backend="deepspeed"`` with ``sp_size > 1`` (Accelerate's DeepSpeed-ALST; here
-            ulysses-sp IS the backend: ``sp_backend: ulysses``; with ``sp_size=1`` it is ignored), ``tp_size`` / ``cp_size`` > 1, ``dp_shard_size`` > 1 (FSDP),
-            ``sp_allow_recurrent_layers=True``, unknown ``sp_attn_implementation`` (hub kernels).
+            ulysses-sp IS the backend: ``sp_backend: ulysses``; with ``sp_size=1`` it is ignored),
+            ``tp_size`` / ``cp_size`` / ``dp_shard_size`` (FSDP) > 1, ``sp_allow_recurrent_layers``,
+            ``sp_disable_in_eval``, an ``sp_attn_implementation`` we cannot run (hub kernels).
     """
     values = _accelerate_values(source)
     unknown = sorted(set(values) - set(_SP_KEYS) - set(_OTHER_PARALLEL))
     if unknown:
-        raise ValueError(f"unknown Accelerate parallelism option(s) {unknown}; known: {sorted(_SP_KEYS + _OTHER_PARALLEL)}.")
+        known = sorted(_SP_KEYS + _OTHER_PARALLEL)
+        raise ValueError(f"unknown Accelerate parallelism option(s) {unknown}; known: {known}.")
     for key in ("tp_size", "cp_size", "dp_shard_size"):
         if values.get(key) is not None and int(values[key]) > 1:
             raise ValueError(
@@ -112,7 +114,8 @@ def config_from_accelerate(source: Any = None, **ours: Any) -> UlyssesSPConfig:
             f"pass the result to UlyssesAccelerate (e.g. UlyssesSPConfig(sp_size={sp_size}))."
         )
     if _as_bool(values.get("sp_allow_recurrent_layers", False)):
-        raise ValueError("sp_allow_recurrent_layers=True is not supported: ulysses-sp refuses recurrent layers; remove it.")
+        raise ValueError("sp_allow_recurrent_layers=True is not supported: ulysses-sp refuses recurrent layers; "
+                         "remove the option.")
     if "sp_disable_in_eval" in values and _as_bool(values["sp_disable_in_eval"]):
         raise ValueError(
             "sp_disable_in_eval=True is not supported: ulysses-sp keeps SP on in eval; remove the option and feed "
@@ -304,8 +307,9 @@ class UlyssesAccelerate:
         """Forward the prepared ``model`` on a shard and return this rank's loss for
         ``accelerator.backward`` (tiled lm_head + CE when ``config.tiled_loss_tokens`` is set)."""
         if self.sp is None or "num_items_in_batch" not in shard:
-            raise ValueError("loss_for needs a shard from a loader returned by sp.prepare(...) or from sp.shard(batch).")
-        return self.sp.forward_loss(model, shard, shard["num_items_in_batch"], tile_tokens=self.config.tiled_loss_tokens,
+            raise ValueError("loss_for needs a shard from a loader returned by sp.prepare(...) or sp.shard(batch).")
+        tiles = self.config.tiled_loss_tokens
+        return self.sp.forward_loss(model, shard, shard["num_items_in_batch"], tile_tokens=tiles,
                                     grad_average_world=self.grad_average_world)
 
     def reported_loss(self, loss: torch.Tensor) -> torch.Tensor:
