@@ -72,6 +72,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--plain", action="store_true", help="transformers.Trainer without SP (reference)")
     p.add_argument("--max-steps", type=int, default=3)
     p.add_argument("--batch-size", type=int, default=2, help="sequences per step per DP replica (SP group)")
+    p.add_argument("--eval-batch-size", type=int, default=None, help="default: --batch-size")
     p.add_argument("--grad-accum", type=int, default=2)
     p.add_argument("--rows", type=int, default=24)
     p.add_argument("--min-len", type=int, default=9)
@@ -94,7 +95,7 @@ def main(argv=None) -> None:
     cpu = not torch.cuda.is_available()
     args = TrainingArguments(
         output_dir=a.output_dir, max_steps=a.max_steps, per_device_train_batch_size=a.batch_size,
-        per_device_eval_batch_size=a.batch_size, gradient_accumulation_steps=a.grad_accum, learning_rate=1e-3,
+        per_device_eval_batch_size=a.eval_batch_size or a.batch_size, gradient_accumulation_steps=a.grad_accum, learning_rate=1e-3,
         logging_steps=1, report_to="none", seed=0, use_cpu=cpu, ddp_backend="gloo" if cpu else None,
         save_strategy="steps" if a.save_steps else "no", save_steps=a.save_steps or 500, bf16=a.bf16,
         gradient_checkpointing=a.gradient_checkpointing, deepspeed=a.deepspeed, include_num_input_tokens_seen="all",
