@@ -77,7 +77,7 @@ def _errors_worker(rank, world_size):
     import torch
     from accelerate import Accelerator
     from tiny_models import tiny_model
-    from torch.utils.data import DataLoader
+    from torch.utils.data import DataLoader, WeightedRandomSampler
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from ulysses_sp.integrations.accelerate import UlyssesAccelerate
@@ -96,6 +96,8 @@ def _errors_worker(rank, world_size):
     data = [{"input_ids": torch.arange(1, 13)} for _ in range(6)]  # 3 batches of 2: not a multiple of 2
     with pytest.raises(ValueError, match="not a multiple of gradient_accumulation_steps=2"):
         sp.prepare(model, DataLoader(data, batch_size=2))
+    with pytest.raises(ValueError, match="WeightedRandomSampler would be dropped"):
+        sp.prepare(model, DataLoader(data[:4], batch_size=2, sampler=WeightedRandomSampler([1.0] * 4, 4)))
     model, loader = sp.prepare(model, DataLoader(data[:4], batch_size=2))
     assert len(loader) == 2  # dp=1: every rank reads all batches (not split over the 2 SP ranks)
 
@@ -110,7 +112,7 @@ def _errors_worker(rank, world_size):
 def test_errors_before_training():
     """Catches a setup that hangs or trains wrongly instead of failing first with the fix named:
     sp_size not dividing the world, a model with fewer heads than sp_size, an optimizer step
-    spanning two epochs, a packed batch without position_ids, an eval batch whose length differs
+    spanning two epochs, a sampler that the dp-only split would silently replace, a packed batch without position_ids, an eval batch whose length differs
     across the SP group. (An Accelerator with Accelerate's own sp_size > 1 is refused too, but
     Accelerate accepts such a ParallelismConfig only on GPUs, so that check is not exercised here.)"""
     spawn(_errors_worker, 2, timeout_s=120.0)

@@ -34,7 +34,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from accelerate import Accelerator
-from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, RandomSampler
+from torch.utils.data import (
+    BatchSampler, DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler,
+)
 
 from ulysses_sp.config import UlyssesSPConfig
 from ulysses_sp.data import validate_same_batch
@@ -158,6 +160,14 @@ class UlyssesAccelerateLoader:
             raise ValueError(
                 "sp.prepare needs a DataLoader over a map-style dataset with batch_size set, so that it can "
                 "split it over data-parallel replicas only; build DataLoader(dataset, batch_size=..., ...)."
+            )
+        if type(dataloader.sampler) not in (SequentialSampler, RandomSampler):
+            raise ValueError(
+                f"sp.prepare rebuilds the loader's sampler to split data over data-parallel replicas only, so a "
+                f"{type(dataloader.sampler).__name__} would be dropped; pass DataLoader(dataset, shuffle=True/False) "
+                "or iterate your own loader split with DistributedSampler(**dp_sampler_kwargs(sp.mesh)) "
+                "(ulysses_sp.data) and call sp.shard(batch) (its token count is one batch's: "
+                "gradient_accumulation_steps=1 only)."
             )
         self.ulysses, self.dataloader = ulysses, dataloader
         mesh = ulysses.mesh
