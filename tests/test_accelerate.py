@@ -113,8 +113,9 @@ def test_errors_before_training():
     """Catches a setup that hangs or trains wrongly instead of failing first with the fix named:
     sp_size not dividing the world, a model with fewer heads than sp_size, an optimizer step
     spanning two epochs, a sampler that the dp-only split would silently replace, a packed batch
-    without position_ids, an eval batch whose length differs across the SP group. (An Accelerator with Accelerate's own sp_size > 1 is refused too, but
-    Accelerate accepts such a ParallelismConfig only on GPUs, so that check is not exercised here.)"""
+    without position_ids, an eval batch whose length differs across the SP group. (An Accelerator
+    with Accelerate's own sp_size > 1 is refused too, but Accelerate accepts such a
+    ParallelismConfig only on GPUs, so that check is not exercised here.)"""
     spawn(_errors_worker, 2, timeout_s=120.0)
 
 
