@@ -28,20 +28,24 @@ ULYSSES_BYTES_PER_LAYER = 2 * (512 + 256) * 4
 RING_BYTES_PER_LAYER = 2048 + 2048 + 2 * 2048
 
 
-def _run(tmp_path, systems):
+def _run(tmp_path, systems, mode):
     out = tmp_path / "bench.json"
-    code = main(["bench", *TINY, "--systems", *systems, "--json", str(out), "--markdown", str(tmp_path / "b.md"),
-                 "--plots", str(tmp_path / "plots")])
-    return code, {r["system"]: r for r in json.loads(out.read_text())}
+    code = main(["bench", *TINY, "--systems", *systems, "--mode", mode, "--json", str(out),
+                 "--markdown", str(tmp_path / "b.md"), "--plots", str(tmp_path / "plots")])
+    records = json.loads(out.read_text())
+    paired = {r["system"]: r for r in records if r.get("mode") == "paired"}
+    return code, {r["system"]: r for r in records if r.get("mode") != "paired"}, paired
 
 
 def test_bench_smoke_records(tmp_path):
     """Catches missing JSON fields, a system that trains on a different loss than one process
     (wrong sharding / loss scaling), a byte counter or exchange that sends more or less than the
     Ulysses layout needs, and a third collective per layer sneaking into the attention."""
-    code, records = _run(tmp_path, ["single", "ulysses", "ring"])
+    code, records, paired = _run(tmp_path, ["single", "ulysses", "ring"], "both")
     assert code == 0
-    assert set(records) == {"single", "ulysses", "ring"}
+    assert set(records) == {"single", "ulysses", "ring"} and set(paired) == {"ulysses", "ring"}
+    for r in paired.values():  # alternating steps in one process group: same first-step loss
+        assert r["loss"] == pytest.approx(records["single"]["loss"], rel=1e-5) and len(r["step_seconds"]) == 1
     for r in records.values():
         assert FIELDS <= set(r), FIELDS - set(r)
         assert r["median_step_seconds"] > 0 and r["peak_memory_bytes"] >= 0
@@ -60,7 +64,7 @@ def test_bench_smoke_records(tmp_path):
 def test_bench_deepspeed_same_loss_and_its_collectives(tmp_path):
     """Catches a DeepSpeed wiring that differs from HF/ALST (loss not equal to ours) and a
     counter that misses DeepSpeed's traffic: 3 + 1 all-to-alls and the position_ids all-gather."""
-    code, records = _run(tmp_path, ["ulysses", "deepspeed"])
+    code, records, _ = _run(tmp_path, ["ulysses", "deepspeed"], "isolated")
     assert code == 0
     ds = records["deepspeed"]
     assert ds["loss"] == pytest.approx(records["ulysses"]["loss"], rel=1e-5)  # fp32 reordering only

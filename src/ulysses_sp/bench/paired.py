@@ -30,7 +30,8 @@ def _paired_worker(rank: int, world: int, jobs: list[Job], rounds: int, out_path
     times: list[list[float]] = [[] for _ in jobs]
     for _ in range(rounds):
         for i, step in enumerate(steps):
-            t = torch.tensor([_timed(step, counter, device)], dtype=torch.float64)
+            t = torch.tensor([_timed(step, counter, device)], dtype=torch.float64,
+                             device=device if device.type == "cuda" else "cpu")
             if world > 1:
                 torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
             times[i].append(float(t))
