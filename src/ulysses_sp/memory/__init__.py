@@ -7,6 +7,8 @@ Main entry points:
     TiledMLP(mlp, tile_tokens)            the module wrapper; TiledMLPFunction the autograd function
     TiledMoE(block, tile_tokens)          the MoE-block wrapper (router logits kept exact)
     ActivationOffload(model)              checkpointed layer inputs go to host memory (register())
+    model.estimate_peak_memory(config, seq_len, sp_size, dtype, MemoryFeatures(...))
+                                          predicted peak memory per rank, term by term
 """
 
 from ulysses_sp.memory.offload import ActivationOffload, OffloadStats
