@@ -12,6 +12,7 @@ entropy, mean_token_accuracy, num_tokens, eval_loss, ...) as JSON lines to ``--l
 """
 
 import argparse
+import os
 import sys
 
 import torch
@@ -80,7 +81,8 @@ def main(argv=None) -> None:
     args = SFTConfig(
         output_dir=a.output_dir, max_steps=a.max_steps, per_device_train_batch_size=a.batch_size,
         per_device_eval_batch_size=a.batch_size, gradient_accumulation_steps=a.grad_accum, learning_rate=1e-3,
-        logging_steps=1, report_to="none", seed=0, use_cpu=cpu, ddp_backend="gloo" if cpu else None,
+        logging_steps=1, report_to="none", seed=0, use_cpu=cpu,
+        ddp_backend="gloo" if cpu and "LOCAL_RANK" in os.environ else None,  # gloo under torchrun on CPU
         save_strategy="no", include_num_input_tokens_seen="all", dataloader_drop_last=True,
         max_length=a.max_length, packing=a.packing, completion_only_loss=True, shuffle_dataset=False,
         dataset_num_proc=None, bf16=a.bf16,  # SFTConfig defaults to bf16 where supported; fp32 unless --bf16

@@ -11,6 +11,7 @@ summary (global_step, max_steps, epochs) as JSON lines to ``--log-file`` (defaul
 
 import argparse
 import json
+import os
 import sys
 
 import torch
@@ -95,8 +96,10 @@ def main(argv=None) -> None:
     cpu = not torch.cuda.is_available()
     args = TrainingArguments(
         output_dir=a.output_dir, max_steps=a.max_steps, per_device_train_batch_size=a.batch_size,
-        per_device_eval_batch_size=a.eval_batch_size or a.batch_size, gradient_accumulation_steps=a.grad_accum, learning_rate=1e-3,
-        logging_steps=1, report_to="none", seed=0, use_cpu=cpu, ddp_backend="gloo" if cpu else None,
+        per_device_eval_batch_size=a.eval_batch_size or a.batch_size, gradient_accumulation_steps=a.grad_accum,
+        learning_rate=1e-3,
+        logging_steps=1, report_to="none", seed=0, use_cpu=cpu,
+        ddp_backend="gloo" if cpu and "LOCAL_RANK" in os.environ else None,  # gloo under torchrun on CPU
         save_strategy="steps" if a.save_steps else "no", save_steps=a.save_steps or 500, bf16=a.bf16,
         gradient_checkpointing=a.gradient_checkpointing, deepspeed=a.deepspeed, include_num_input_tokens_seen="all",
         dataloader_drop_last=True,

@@ -1,12 +1,10 @@
 """UlyssesSFTTrainer (TRL SFTTrainer + Ulysses SP) against the plain SFTTrainer in one process.
 
-The SP run launches ``examples/sft_train.py`` through ``torchrun --standalone`` as users do; the
-reference runs call the same code on a spawned gloo world (faster to start).
+Both runs call ``examples/sft_train.py``'s ``main`` on a spawned gloo world (``dist_helper.spawn``:
+no torchrun start-up; the torchrun launch path itself is covered by ``test_trainer.py``).
 """
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,15 +13,6 @@ from dist_helper import spawn
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "sft_train.py"
-
-
-def run_example(nproc: int, tmp: Path, name: str, *args: str) -> list[dict]:
-    log = tmp / f"{name}.jsonl"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), str(EXAMPLE),
-           "--output-dir", str(tmp / name), "--log-file", str(log), *args]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert out.returncode == 0, out.stderr[-4000:]
-    return [json.loads(line) for line in log.read_text().splitlines()]
 
 
 def _main(rank, world, argv):
@@ -66,7 +55,7 @@ def test_sft_packing_bfd_completion_only_sp2_matches_plain(tmp_path):
     boundary (the collator's position_ids ignored), prompt tokens counted in the loss or its
     normaliser, SFT's metrics computed on one shard or counted once per SP rank, and a wrong loss
     scale under gradient accumulation."""
-    sp = run_example(2, tmp_path, "sp2", "--sp-size", "2", "--packing", "--eval")
+    sp = spawn_example(2, tmp_path, "sp2", "--sp-size", "2", "--packing", "--eval")
     plain = spawn_example(1, tmp_path, "plain", "--plain", "--packing", "--eval")
     assert_same_run(sp, plain)
 

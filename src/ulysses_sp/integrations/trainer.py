@@ -134,7 +134,8 @@ class UlyssesTrainerMixin:
         if self.sp_mesh.sp_size > 1:
             validate_same_batch(batch["input_ids"], self.sp_mesh.sp_group)
         shard = self.ulysses.shard(batch)
-        shard[_GLOBAL_KEY] = {k: batch[k] for k in ("input_ids", "attention_mask") if k in batch}  # type: ignore[literal-required]
+        global_tokens = {k: batch[k] for k in ("input_ids", "attention_mask") if k in batch}
+        shard[_GLOBAL_KEY] = global_tokens  # type: ignore[literal-required]
         return shard
 
     def get_batch_samples(
@@ -174,7 +175,9 @@ class UlyssesTrainerMixin:
         here over the world for this batch alone if not given).
         """
         if "ulysses_mask" not in inputs:
-            raise ValueError("UlyssesTrainer.compute_loss expects a shard from UlyssesTrainer._shard(batch), got a raw batch.")
+            raise ValueError(
+                "UlyssesTrainer.compute_loss expects a shard from UlyssesTrainer._shard(batch), got a raw batch."
+            )
         if num_items_in_batch is None:
             num_items_in_batch = global_num_items(inputs["shift_labels"])
         loss = self._sp_loss(model, inputs, num_items_in_batch, dist.get_world_size())

@@ -42,8 +42,8 @@ class UlyssesSFTTrainer(UlyssesTrainerMixin, SFTTrainer):
         super().__init__(*args, **kwargs)
         if self.aux_loss_enabled:
             raise ValueError(
-                "the MoE router auxiliary loss is computed from router logits of this rank's tokens only under sequence "
-                "parallelism; set SFTConfig(router_aux_loss_coef=0.0)."
+                "the MoE router auxiliary loss would see only this rank's tokens under sequence parallelism; "
+                "set SFTConfig(router_aux_loss_coef=0.0)."
             )
 
     def _sp_loss(
@@ -73,7 +73,8 @@ class UlyssesSFTTrainer(UlyssesTrainerMixin, SFTTrainer):
         super()._track_num_input_tokens(inputs)
         batch = inputs[_GLOBAL_KEY]
         mask = batch.get("attention_mask")
-        local = mask.sum() if mask is not None else torch.tensor(batch["input_ids"].numel(), device=batch["input_ids"].device)
+        ids = batch["input_ids"]
+        local = mask.sum() if mask is not None else torch.tensor(ids.numel(), device=ids.device)
         total = self.accelerator.gather(local.reshape(1).to(self.args.device)).sum().item()
         self._total_train_tokens += int(total) // self.sp_mesh.sp_size
         self._metrics["train"]["num_tokens"] = [self._total_train_tokens]
