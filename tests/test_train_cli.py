@@ -24,7 +24,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 @pytest.fixture(scope="module")
 def sp2_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("runs") / "sp2"
-    assert main(["train", *TASK, "--max-steps", "60", "--output-dir", str(out)]) == 0
+    assert main(["train", *TASK, "--max-steps", "50", "--output-dir", str(out)]) == 0
     return out
 
 
@@ -47,7 +47,7 @@ def test_default_task_run_writes_metrics_plot_and_loadable_checkpoint(sp2_run):
     from transformers import AutoModelForCausalLM
 
     records = _records(sp2_run)
-    assert [r["step"] for r in records] == list(range(1, 61))
+    assert [r["step"] for r in records] == list(range(1, 51))
     for r in records:
         assert {"step", "loss", "accuracy", "tokens_per_second", "peak_memory_bytes"} <= set(r)
         assert r["tokens_per_second"] > 0 and r["peak_memory_bytes"] > 0 and len(r["peak_memory_bytes_per_rank"]) == 2
@@ -113,7 +113,7 @@ def hf_dir(tmp_path_factory):
 
 def test_real_model_on_chat_jsonl_trains_with_sp2(hf_dir, tmp_path):
     """Catches the real-data path breaking (tokenizer + chat template + packing + collator + SP):
-    a local model directory trains 3 steps on a JSONL chat file and saves model and tokenizer."""
+    a local model directory trains 2 steps on a JSONL chat file and saves model and tokenizer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     data = tmp_path / "chat.jsonl"
@@ -122,11 +122,11 @@ def test_real_model_on_chat_jsonl_trains_with_sp2(hf_dir, tmp_path):
             f.write(json.dumps({"messages": [{"role": "user", "content": f"what is {i} + 1?"},
                                              {"role": "assistant", "content": f"{i + 1}"}]}) + "\n")
     out = tmp_path / "run"
-    argv = ["train", "--model", str(hf_dir), "--dataset", str(data), "--seq-len", "64", "--max-steps", "3",
+    argv = ["train", "--model", str(hf_dir), "--dataset", str(data), "--seq-len", "64", "--max-steps", "2",
             "--per-device-train-batch-size", "2", "--logging-steps", "1", "--output-dir", str(out)]
     assert main(argv) == 0
     records = _records(out)
-    assert len(records) == 3 and all("accuracy" not in r and r["loss"] > 0 for r in records)
+    assert len(records) == 2 and all("accuracy" not in r and r["loss"] > 0 for r in records)
     AutoModelForCausalLM.from_pretrained(out)
     assert AutoTokenizer.from_pretrained(out).chat_template is not None
 
@@ -170,6 +170,13 @@ def test_missing_model_and_dataset_files_exit_2(hf_dir, tmp_path, capsys):
     assert "max_position_embeddings=64" in capsys.readouterr().err
 
 
+def test_help_lists_command_and_trainer_options(capsys):
+    """Catches the subcommand swallowing --help or losing the TrainingArguments options."""
+    assert main(["train", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--sp_size" in out and "--tiled_loss_tokens" in out and "--learning_rate" in out and "--nnodes" in out
+
+
 def test_non_empty_output_dir_is_refused_and_kept(tmp_path, capsys):
     """Catches a run overwriting (or mixing into) an earlier run's results without being asked."""
     out = tmp_path / "old"
@@ -185,8 +192,21 @@ def test_failed_run_leaves_no_output_dir(tmp_path, capsys):
     error (here: resuming from a checkpoint that does not exist) exits 1 and only the staging
     directory ``DIR.incomplete`` exists, without run.json."""
     out = tmp_path / "failed"
-    argv = ["train", *TASK, "--max-steps", "2", "--resume-from-checkpoint", str(tmp_path / "nope"),
+    argv = ["train", *TASK, "--max-steps", "1", "--resume-from-checkpoint", str(tmp_path / "nope"),
             "--output-dir", str(out)]
     assert main(argv) == 1
     assert "worker failed" in capsys.readouterr().err
     assert not out.exists() and not (tmp_path / "failed.incomplete" / "run.json").exists()
+
+
+def test_multi_node_options_reach_the_elastic_launcher(tmp_path):
+    """Catches torchrun's rendezvous options being dropped or renamed on the way to the launcher:
+    2 nodes x 2 processes with a static rendezvous on node rank 1."""
+    from ulysses_sp.train.launch import launch_config, plan
+
+    p = plan(["--sp-size", "4", "--nnodes", "2", "--node-rank", "1", "--rdzv-backend", "static",
+              "--master-addr", "10.1.2.3", "--master-port", "29555", "--output-dir", str(tmp_path / "o")])
+    config = launch_config(p)
+    assert (config.min_nodes, config.max_nodes, config.nproc_per_node) == (2, 2, 2)
+    assert config.rdzv_backend == "static" and config.rdzv_configs["rank"] == 1
+    assert config.rdzv_endpoint == "10.1.2.3:29555" and config.start_method == "forkserver"

@@ -34,7 +34,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     what = "copy task" if p.margs.uses_task else ", ".join(p.margs.dataset or [])
     print(f"ulysses-sp train: {p.margs.model or 'embedded Llama'} on {what}, S={p.margs.seq_len}, "
-          f"SP={p.spargs.sp_size} x DP={p.spargs.dp_size} ({p.world_size} processes); output {p.output_dir}",
+          f"SP={p.spargs.sp_size} x DP={p.spargs.dp_size} ({p.world_size} processes, "
+          f"{'NCCL on GPUs' if p.use_cuda else 'gloo on CPU'}); output {p.output_dir}",
           flush=True)
     try:
         summary = launch(p)

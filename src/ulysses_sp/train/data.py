@@ -44,8 +44,8 @@ def load_raw(specs: list[str], config: str | None = None, split: str = "train"):
     if missing:
         raise DataInputError(f"dataset file(s) {missing} do not exist; give existing .txt/.jsonl/.json/.parquet/.csv "
                              "files, a save_to_disk directory, or a datasets name.")
-    if len(paths) == 1 and paths[0].is_dir() and (paths[0] / "dataset_info.json").exists() or (
-            len(paths) == 1 and paths[0].is_dir() and (paths[0] / "dataset_dict.json").exists()):
+    saved = ("dataset_info.json", "dataset_dict.json")  # what save_to_disk writes
+    if len(paths) == 1 and paths[0].is_dir() and any((paths[0] / name).exists() for name in saved):
         loaded = datasets.load_from_disk(str(paths[0]))
         return loaded[split] if isinstance(loaded, datasets.DatasetDict) else loaded
     if all(p.is_file() for p in paths):

@@ -39,6 +39,7 @@ class Plan:
     output_dir: Path
     world_size: int
     nproc_per_node: int
+    use_cuda: bool
 
 
 def _output_dir(argv: list[str], targs: Any, overwrite: bool) -> Path:
@@ -140,8 +141,14 @@ def plan(argv: list[str]) -> Plan:
         raise
     except ValueError as err:
         raise TrainInputError(str(err)) from err
-    argv = [a for a in argv]
-    return Plan(argv, margs, spargs, largs, output_dir, world, nproc)
+    return Plan(list(argv), margs, spargs, largs, output_dir, world, nproc, _use_cuda(targs, nproc))
+
+
+def _use_cuda(targs: Any, nproc: int) -> bool:
+    """NCCL on GPUs when every local process gets its own GPU; else gloo on CPU."""
+    import torch
+
+    return bool(torch.cuda.is_available() and not targs.use_cpu and torch.cuda.device_count() >= nproc)
 
 
 def launch_config(p: Plan):
@@ -173,8 +180,8 @@ def launch(p: Plan) -> dict[str, Any] | None:
     from ulysses_sp.train import worker
 
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # already under torchrun: be a worker
-        return worker.main(p.argv, str(p.output_dir))
+        return worker.main(p.argv, str(p.output_dir), p.use_cuda)
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
     mp.get_context("forkserver").set_forkserver_preload(PRELOAD)
-    results = elastic_launch(launch_config(p), worker.main)(p.argv, str(p.output_dir))
+    results = elastic_launch(launch_config(p), worker.main)(p.argv, str(p.output_dir), p.use_cuda)
     return next((r for r in results.values() if r is not None), None)

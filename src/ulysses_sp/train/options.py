@@ -106,20 +106,17 @@ def build_parser(defaults: dict[str, Any] | None = None):
     return parser
 
 
-def parse(argv: list[str], device_defaults: bool = False):
+def parse(argv: list[str], use_cuda: bool | None = None):
     """``(ModelDataArguments, SPArguments, LaunchArguments, TrainingArguments)`` from ``argv``.
 
-    ``device_defaults``: in a worker, default to ``use_cpu`` + gloo without CUDA.
+    ``use_cuda`` (in a worker): default ``use_cpu`` and ``ddp_backend`` (gloo / nccl) to match.
 
     Raises:
         ValueError: unknown options (with the closest known names).
     """
     defaults = dict(TRAINING_DEFAULTS)
-    if device_defaults:
-        import torch
-
-        cpu = not torch.cuda.is_available()
-        defaults.update(use_cpu=cpu, ddp_backend="gloo" if cpu else "nccl")
+    if use_cuda is not None:
+        defaults.update(use_cpu=not use_cuda, ddp_backend="nccl" if use_cuda else "gloo")
     parser = build_parser(defaults)
     *parsed, remaining = parser.parse_args_into_dataclasses(argv, return_remaining_strings=True)
     if remaining:

@@ -33,14 +33,14 @@ def staging_dir(output_dir: str | Path) -> Path:
     return path.with_name(path.name + STAGING_SUFFIX)
 
 
-def _init_distributed() -> None:
-    """env:// process group of the launcher; one thread per rank's share of the cores."""
+def _init_distributed(use_cuda: bool) -> None:
+    """env:// process group of the launcher (NCCL with one GPU per rank, else gloo on CPU)."""
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
-    if torch.cuda.is_available():
+    if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        dist.init_process_group("nccl" if use_cuda else "gloo")
 
 
 def build_model(margs: options.ModelDataArguments, seed: int):
@@ -50,6 +50,8 @@ def build_model(margs: options.ModelDataArguments, seed: int):
     dtype = margs.dtype if margs.dtype == "auto" else getattr(torch, margs.dtype)
     kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": margs.attn_implementation}
     torch.manual_seed(seed)
+    if margs.model is None or margs.random_init:
+        kwargs["dtype"] = torch.float32 if dtype == "auto" else dtype  # from_config has no "auto"
     if margs.model is None:
         task = CopyTask(margs.seq_len, margs.task_vocab_size)
         config = default_model_config(task, margs.hidden_size, margs.num_layers, margs.num_heads)
@@ -72,22 +74,19 @@ def build_data(margs: options.ModelDataArguments, seed: int):
     return dataset, LMCollator(pad_token_id=tokenizer.pad_token_id or 0), None, tokenizer
 
 
-def main(argv: list[str], output_dir: str) -> dict[str, Any] | None:
+def main(argv: list[str], output_dir: str, use_cuda: bool) -> dict[str, Any] | None:
     """Train on this rank; world rank 0 returns the run summary (others None)."""
-    _init_distributed()
-    from transformers import TrainingArguments  # noqa: F401  (after the process group exists)
-
+    _init_distributed(use_cuda)
     from transformers.trainer_callback import PrinterCallback
 
     from ulysses_sp.integrations.trainer import UlyssesTrainer
     from ulysses_sp.train.metrics import MetricsCallback
 
-    margs, spargs, _, targs = options.parse(argv, device_defaults=True)
+    margs, spargs, _, targs = options.parse(argv, use_cuda=use_cuda)
     final, staging = Path(output_dir), staging_dir(output_dir)
     rank0 = dist.get_rank() == 0
     if rank0:
-        shutil.rmtree(staging, ignore_errors=True)  # a stopped earlier run's leftovers
-        staging.mkdir(parents=True)
+        _prepare_staging(staging, resuming=targs.resume_from_checkpoint is not None)
     dist.barrier()
     targs.output_dir = str(staging)
     if targs.include_num_input_tokens_seen == "all":  # the parser only takes booleans: count real tokens
@@ -106,15 +105,25 @@ def main(argv: list[str], output_dir: str) -> dict[str, Any] | None:
     dist.barrier()
     summary = None
     if rank0:
-        summary = _finish(margs, spargs, targs, callback.records, seconds, staging, final)
+        summary = _finish(margs, spargs, seconds, staging, final)
     dist.barrier()
     dist.destroy_process_group()
     return summary
 
 
-def _finish(margs, spargs, targs, records, seconds, staging: Path, final: Path) -> dict[str, Any]:
+def _prepare_staging(staging: Path, resuming: bool) -> None:
+    """Rank 0: an empty staging directory; when resuming, the stopped run's (checkpoints, metrics)."""
+    if not resuming:
+        shutil.rmtree(staging, ignore_errors=True)  # a stopped earlier run's leftovers
+    staging.mkdir(parents=True, exist_ok=True)
+
+
+def _finish(margs, spargs, seconds: float, staging: Path, final: Path) -> dict[str, Any]:
     """Rank 0: run.json + metrics.png into ``staging``, then rename it to ``final``."""
-    from ulysses_sp.train.plot import plot_metrics
+    from ulysses_sp.train.plot import plot_metrics, read_metrics
+
+    path = staging / "metrics.jsonl"
+    records = read_metrics(path) if path.exists() else []  # the whole run, also when resumed
 
     world = dist.get_world_size()
     chance = CopyTask(margs.seq_len, margs.task_vocab_size).chance_accuracy if margs.uses_task else None
