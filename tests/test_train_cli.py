@@ -210,3 +210,27 @@ def test_multi_node_options_reach_the_elastic_launcher(tmp_path):
     assert (config.min_nodes, config.max_nodes, config.nproc_per_node) == (2, 2, 2)
     assert config.rdzv_backend == "static" and config.rdzv_configs["rank"] == 1
     assert config.rdzv_endpoint == "10.1.2.3:29555" and config.start_method == "forkserver"
+
+
+def test_prompt_completion_and_text_rows_tokenize_and_pack_like_trl(hf_dir, tmp_path):
+    """Catches prompt tokens counted in the loss, a missing EOS, or packing that loses document
+    boundaries: prompt/completion rows get labels -100 on the prompt; text rows end with EOS;
+    packed rows hold several documents with their lengths in seq_lengths."""
+    from types import SimpleNamespace
+
+    from ulysses_sp.train.data import load_tokenizer, prepare_dataset
+
+    tok = load_tokenizer(str(hf_dir))
+    pc = tmp_path / "pc.jsonl"
+    pc.write_text("".join(json.dumps({"prompt": f"Q{i}:", "completion": f"A{i}"}) + "\n" for i in range(3)))
+    opts = dict(dataset_config=None, dataset_split="train", dataset_text_field="text", completion_only_loss=True,
+                seq_len=64)
+    rows = prepare_dataset(SimpleNamespace(dataset=[str(pc)], packing=False, **opts), tok, seed=0)
+    ids, labels = rows[0]["input_ids"], rows[0]["labels"]
+    n_prompt = len(tok("Q0:", add_special_tokens=False)["input_ids"])
+    assert ids[-1] == tok.eos_token_id and labels[:n_prompt] == [-100] * n_prompt and labels[n_prompt:] == ids[n_prompt:]
+    text = tmp_path / "lines.txt"
+    text.write_text("abcdef\nghij\nkl\n")
+    packed = prepare_dataset(SimpleNamespace(dataset=[str(text)], packing=True, **opts), tok, seed=0)
+    assert len(packed) == 1 and sorted(packed[0]["seq_lengths"]) == [3, 5, 7]  # each line + EOS, one row
+    assert packed[0]["input_ids"].count(tok.eos_token_id) == 3
