@@ -154,7 +154,7 @@ def _drop_position_ids(rows):
     return {k: v for k, v in _collate(rows).items() if k != "position_ids"}
 
 
-def _trainer(tmp, sp_size, heads=4, collator=_collate, train_rows=None, eval_rows=None, **kwargs):
+def _trainer(tmp, sp_size, heads=4, collator=_collate, train_rows=None, eval_rows=None, args_kwargs=None, **kwargs):
     from datasets import Dataset
     from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
 
@@ -165,7 +165,7 @@ def _trainer(tmp, sp_size, heads=4, collator=_collate, train_rows=None, eval_row
     model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
                                          num_attention_heads=heads, num_key_value_heads=1))
     args = TrainingArguments(output_dir=str(tmp), max_steps=1, per_device_train_batch_size=1, report_to="none",
-                             use_cpu=True, ddp_backend="gloo", save_strategy="no")
+                             use_cpu=True, ddp_backend="gloo", save_strategy="no", **(args_kwargs or {}))
     rows = train_rows or [{"input_ids": list(range(1, 9)), "position_ids": [0, 1, 2, 0, 1, 2, 3, 4]}] * 4
     return UlyssesTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows), data_collator=collator,
                           eval_dataset=Dataset.from_list(eval_rows) if eval_rows else None,
@@ -177,6 +177,8 @@ def _refusals(rank, world, tmp):
         _trainer(tmp, sp_size=3)
     with pytest.raises(ValueError, match="sp_size 2 > num_attention_heads 1"):
         _trainer(tmp, sp_size=2, heads=1)
+    with pytest.raises(ValueError, match="batch_rebalance"):
+        _trainer(tmp, sp_size=2, args_kwargs={"train_sampling_strategy": "batch_rebalance"})
     with pytest.raises(ValueError, match="compute_metrics needs full-sequence logits"):
         _trainer(tmp, sp_size=2, compute_metrics=lambda p: {})
     with pytest.raises(ValueError, match="collated batch has none"):
@@ -189,7 +191,8 @@ def _refusals(rank, world, tmp):
 
 def test_bad_configurations_raise_before_training(tmp_path):
     """Catches settings that would silently train something else or hang on gloo: sp_size not
-    dividing the world, a model with fewer heads than sp_size, compute_metrics on sharded logits,
+    dividing the world, a model with fewer heads than sp_size, a sampler that deals batches per
+    world rank, compute_metrics on sharded logits,
     a collator dropping the position_ids of packed rows (documents would attend to each other), and
     an eval batch that differs between the SP ranks."""
     spawn(_refusals, 2, tmp_path)

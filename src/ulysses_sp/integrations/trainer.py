@@ -86,6 +86,13 @@ class UlyssesTrainerMixin:
                 f"Ulysses SP needs one process per device, but this process drives {args.n_gpu} GPUs "
                 "(torch.nn.DataParallel); launch with torchrun / accelerate launch instead."
             )
+        if self.model_init is not None:
+            raise ValueError("model_init (hyperparameter search) is not supported by UlyssesTrainer; pass model=...")
+        if args.train_sampling_strategy == "batch_rebalance" and self.sp_config.sp_size > 1:
+            raise ValueError(
+                "train_sampling_strategy='batch_rebalance' assigns batches per world rank, so the ranks of an SP group "
+                "would read different data; use 'random', 'sequential' or 'group_by_length'."
+            )
         if args.label_smoothing_factor != 0:
             raise ValueError("label_smoothing_factor is not supported with UlyssesTrainer; set it to 0.")
         if self.compute_loss_func is not None:
