@@ -15,17 +15,30 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "sft_train.py"
 
 
-def _main(rank, world, argv):
+def _main(rank, world, argvs):
     sys.path.insert(0, str(EXAMPLE.parent))
     import sft_train
 
-    sft_train.main(argv)
+    for argv in argvs:  # several runs per spawn: trl / datasets are imported once per worker
+        sft_train.main(argv)
 
 
-def spawn_example(nproc: int, tmp: Path, name: str, *args: str) -> list[dict]:
-    log = tmp / f"{name}.jsonl"
-    spawn(_main, nproc, ["--output-dir", str(tmp / name), "--log-file", str(log), *args])
-    return [json.loads(line) for line in log.read_text().splitlines()]
+def spawn_examples(nproc: int, tmp: Path, runs: dict[str, tuple[str, ...]]) -> dict[str, list[dict]]:
+    argvs = [["--output-dir", str(tmp / name), "--log-file", str(tmp / f"{name}.jsonl"), *args]
+             for name, args in runs.items()]
+    spawn(_main, nproc, argvs)
+    return {name: [json.loads(line) for line in (tmp / f"{name}.jsonl").read_text().splitlines()] for name in runs}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """sp=2 on 2 ranks and the plain SFTTrainer on 1 process, with and without BFD packing."""
+    tmp = tmp_path_factory.mktemp("sft")
+    sp = spawn_examples(2, tmp, {"sp_packed": ("--sp-size", "2", "--packing", "--eval"),
+                                 "sp_padded": ("--sp-size", "2", "--eval")})
+    plain = spawn_examples(1, tmp, {"plain_packed": ("--plain", "--packing", "--eval"),
+                                    "plain_padded": ("--plain", "--eval")})
+    return {**sp, **plain}
 
 
 def step_logs(records: list[dict]) -> dict[int, dict]:
@@ -49,21 +62,17 @@ def assert_same_run(sp: list[dict], plain: list[dict]) -> None:
         assert eval_sp[key] == pytest.approx(eval_plain[key], rel=1e-5, abs=1e-7), key  # fp32 forward only
 
 
-def test_sft_packing_bfd_completion_only_sp2_matches_plain(tmp_path):
+def test_sft_packing_bfd_completion_only_sp2_matches_plain(runs):
     """BFD packing (padding-free rows: position_ids restart per document) with completion-only
     labels and max_length the GLOBAL row length. Catches documents attending across a packing
     boundary (the collator's position_ids ignored), prompt tokens counted in the loss or its
     normaliser, SFT's metrics computed on one shard or counted once per SP rank, and a wrong loss
     scale under gradient accumulation."""
-    sp = spawn_example(2, tmp_path, "sp2", "--sp-size", "2", "--packing", "--eval")
-    plain = spawn_example(1, tmp_path, "plain", "--plain", "--packing", "--eval")
-    assert_same_run(sp, plain)
+    assert_same_run(runs["sp_packed"], runs["plain_packed"])
 
 
-def test_sft_padded_batches_sp2_matches_plain(tmp_path):
+def test_sft_padded_batches_sp2_matches_plain(runs):
     """Without packing: right-padded rows of different lengths (attention_mask, no position_ids),
     odd global lengths padded to a multiple of sp_size. Catches padding counted as tokens or
     attended to, and num_tokens / num_input_tokens_seen counted from shards."""
-    sp = spawn_example(2, tmp_path, "sp2", "--sp-size", "2", "--eval")
-    plain = spawn_example(1, tmp_path, "plain", "--plain", "--eval")
-    assert_same_run(sp, plain)
+    assert_same_run(runs["sp_padded"], runs["plain_padded"])
