@@ -126,16 +126,18 @@ def prepare_dataset(margs: Any, tokenizer, seed: int):
     raw = load_raw(margs.dataset, margs.dataset_config, margs.dataset_split)
     if len(raw) == 0:
         raise DataInputError(f"dataset {margs.dataset} has no rows.")
-    raw = raw.map(maybe_convert_to_chatml) if "conversations" in raw.column_names else raw
+    memory = {"keep_in_memory": True}  # every rank prepares the same rows: no shared cache files to race on
+    if "conversations" in raw.column_names:
+        raw = raw.map(maybe_convert_to_chatml, **memory)
     fmt = row_format(raw[0], margs.dataset_text_field)
     fn_kwargs = dict(tokenizer=tokenizer, fmt=fmt, text_field=margs.dataset_text_field,
                      completion_only=margs.completion_only_loss)
-    data = raw.map(tokenize_row, fn_kwargs=fn_kwargs, remove_columns=raw.column_names, desc="tokenize")
-    data = data.filter(lambda r: len(r["input_ids"]) > 1 and any(x != IGNORE for x in r["labels"][1:]))
+    data = raw.map(tokenize_row, fn_kwargs=fn_kwargs, remove_columns=raw.column_names, desc="tokenize", **memory)
+    data = data.filter(lambda r: len(r["input_ids"]) > 1 and any(x != IGNORE for x in r["labels"][1:]), **memory)
     if margs.packing:
-        data = pack_dataset(data.shuffle(seed=seed), margs.seq_len, "bfd")
+        data = pack_dataset(data.shuffle(seed=seed, **memory), margs.seq_len, "bfd", memory)
     else:
-        data = data.map(lambda r: {k: r[k][: margs.seq_len] for k in ("input_ids", "labels")})
+        data = data.map(lambda r: {k: r[k][: margs.seq_len] for k in ("input_ids", "labels")}, **memory)
     return data
 
 
