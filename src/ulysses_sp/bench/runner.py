@@ -69,7 +69,7 @@ def _setup(job: Job, device: torch.device, counter: CommCounter) -> tuple[Step, 
     model = build_model(job.spec, job.seq_len, device, getattr(torch, job.dtype))
     ids = make_batch(job.spec, job.batch_size, job.seq_len, device)
     if job.system == "single":
-        return single_step(model, ids, counter), model
+        return single_step(model, ids), model
     from ulysses_sp.comm.mesh import SPMesh
 
     mesh = SPMesh.from_world(job.sp_size)

@@ -89,7 +89,7 @@ def _finish(model, optimizer, loss, counter: CommCounter, group) -> None:
         optimizer.zero_grad(set_to_none=True)
 
 
-def single_step(model, ids_BS: torch.Tensor, counter: CommCounter) -> Step:
+def single_step(model, ids_BS: torch.Tensor) -> Step:
     """No sequence parallelism: the full sequence in one process."""
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
 
