@@ -81,6 +81,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tiled-loss-tokens", type=int, default=None)
     p.add_argument("--tiled-mlp-tokens", type=int, default=None)
     p.add_argument("--gradient-checkpointing", action="store_true")
+    p.add_argument("--offload-activations", action="store_true", help="checkpointed layer inputs to CPU")
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--deepspeed", default=None, help="DeepSpeed config JSON")
     p.add_argument("--eval", action="store_true", help="evaluate on 6 rows after training")
@@ -111,9 +112,14 @@ def main(argv=None) -> None:
         trainer = Trainer(**kwargs)
     else:
         sp_config = UlyssesSPConfig(sp_size=a.sp_size, tiled_loss_tokens=a.tiled_loss_tokens,
-                                    tiled_mlp_tokens=a.tiled_mlp_tokens)
+                                    tiled_mlp_tokens=a.tiled_mlp_tokens, offload_activations=a.offload_activations)
         trainer = UlyssesTrainer(**kwargs, sp_config=sp_config)   # the only SP-specific line
     trainer.train(resume_from_checkpoint=a.resume_from)
+    offload = getattr(trainer, "activation_offload", None)
+    if offload is not None and a.log_file and trainer.is_world_process_zero():
+        with open(a.log_file, "a") as f:  # evidence that the layer inputs left the device
+            f.write(json.dumps({"offloaded_tensors": offload.stats.num_tensors,
+                                "restored_tensors": offload.stats.num_restored}) + "\n")
     if a.eval:
         trainer.evaluate()  # logged through JsonLogger.on_log as eval_loss
 

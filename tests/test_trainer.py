@@ -47,8 +47,9 @@ def step_logs(records: list[dict]) -> dict[int, dict]:
 
 
 # the SP runs also use the memory features: tiled loss and tiled MLP (tiles that do not divide the
-# shard) and gradient checkpointing, none of which may change the numbers
-SP_FLAGS = ("--sp-size", "2", "--tiled-loss-tokens", "7", "--tiled-mlp-tokens", "5", "--gradient-checkpointing")
+# shard), gradient checkpointing and activation offload, none of which may change the numbers
+SP_FLAGS = ("--sp-size", "2", "--tiled-loss-tokens", "7", "--tiled-mlp-tokens", "5", "--gradient-checkpointing",
+            "--offload-activations")
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +75,15 @@ def test_sp2_matches_plain_trainer_step_by_step(runs):
         # relative per step; AdamW's normalised updates keep 3 steps well inside 1e-5
         assert sp_steps[step]["loss"] == pytest.approx(plain_steps[step]["loss"], rel=1e-5)
         assert sp_steps[step]["grad_norm"] == pytest.approx(plain_steps[step]["grad_norm"], rel=1e-5)
+
+
+def test_sp2_offloads_checkpointed_layer_inputs(runs):
+    """Catches offload lost when Trainer.train() re-enables gradient checkpointing (it replaces the
+    layers' checkpoint functions after UlyssesTrainer.__init__): then nothing would be offloaded."""
+    _, sp, _ = runs
+    stats = next(r for r in sp if "offloaded_tensors" in r)
+    # 3 steps x 2 micro-batches x 2 layers, one layer input each; all restored for backward
+    assert stats["offloaded_tensors"] == stats["restored_tensors"] == 12
 
 
 def test_sp2_counts_steps_epochs_and_tokens_once_per_group(runs):

@@ -37,6 +37,7 @@ from ulysses_sp.config import UlyssesSPConfig
 from ulysses_sp.data import ShardedBatch, validate_same_batch
 from ulysses_sp.integrations.transformers import UlyssesSP
 from ulysses_sp.loss import global_num_items, reported_loss
+from ulysses_sp.memory.offload import ActivationOffload
 
 _GLOBAL_KEY = "ulysses_global_batch"  # the global batch's token tensors, for token counting only
 
@@ -50,13 +51,15 @@ class UlyssesTrainerMixin:
 
     Attributes (after ``__init__``):
         sp_config: the configuration; sp_mesh: the ``dp x sp`` :class:`SPMesh`;
-        ulysses: the registered :class:`UlyssesSP` of the model.
+        ulysses: the registered :class:`UlyssesSP` of the model;
+        activation_offload: the :class:`ActivationOffload` (its ``stats``) when
+        ``sp_config.offload_activations``, else None.
 
     Raises:
         ValueError: before training, for settings SP cannot honour (sp_size not dividing the world,
             a model that cannot be made sequence-parallel, ``compute_metrics`` / label smoothing /
             ``compute_loss_func`` / ``n_gpu > 1`` / ``dispatch_batches`` under SP, a collator that
-            drops packed ``position_ids``).
+            drops packed ``position_ids``, ``offload_activations`` without gradient checkpointing).
     """
 
     loss_is_scaled_for_ga = True  # our loss is already divided by the whole step's token count
@@ -74,6 +77,9 @@ class UlyssesTrainerMixin:
             self.model, self.sp_mesh, attn_implementation=self.sp_config.sp_attn_implementation,
             tiled_mlp_tokens=self.sp_config.tiled_mlp_tokens,
         ).register()
+        # Trainer (re)enables gradient checkpointing in train(), replacing the layers' checkpoint
+        # functions: the offload wrappers are (re)installed at each training forward instead.
+        self.activation_offload = ActivationOffload(self.model) if self.sp_config.offload_activations else None
         self.model_accepts_loss_kwargs = True
         packed_rows = any(_dataset_has_column(self.train_dataset, c) for c in ("position_ids", "seq_lengths"))
         padding_free = getattr(self, "padding_free", False) or getattr(self.args, "padding_free", False)
@@ -99,6 +105,11 @@ class UlyssesTrainerMixin:
             raise ValueError(
                 "compute_loss_func is not used by UlyssesTrainer (the loss is computed on sequence shards); "
                 "remove it, or subclass and override compute_loss with UlyssesSP.forward_loss."
+            )
+        if self.sp_config.offload_activations and not args.gradient_checkpointing:
+            raise ValueError(
+                "offload_activations moves the inputs of checkpointed layers to CPU, so it needs "
+                "TrainingArguments(gradient_checkpointing=True); enable it or set offload_activations=False."
             )
         if self.compute_metrics is not None and self.sp_config.sp_size > 1:
             raise ValueError(
@@ -187,6 +198,8 @@ class UlyssesTrainerMixin:
             )
         if num_items_in_batch is None:
             num_items_in_batch = global_num_items(inputs["shift_labels"])
+        if self.activation_offload is not None and model.training:
+            self.activation_offload.register()  # cheap when already installed
         loss = self._sp_loss(model, inputs, num_items_in_batch, dist.get_world_size())
         return (loss, None) if return_outputs else loss
 

@@ -93,9 +93,11 @@ class ActivationOffload:
         self._originals: dict[nn.Module, Callable] = {}
 
     def register(self) -> ActivationOffload:
-        """Wrap the checkpoint function of every checkpointed layer (idempotent)."""
-        if self._originals:
-            return self
+        """Wrap the checkpoint function of every checkpointed layer (idempotent).
+
+        Calling it again re-wraps layers whose checkpoint function was replaced since (e.g. the
+        Trainer calls ``gradient_checkpointing_enable`` at the start of ``train()``).
+        """
         layers = _checkpointed_layers(self.model)
         if not layers:
             raise ValueError(
@@ -103,9 +105,11 @@ class ActivationOffload:
                 "model.activation_checkpointing_enable() (or gradient_checkpointing_enable()) before registering."
             )
         for layer in layers:
-            original = layer._gradient_checkpointing_func
-            self._originals[layer] = original
-            layer._gradient_checkpointing_func = self._wrap(original)
+            current = layer._gradient_checkpointing_func
+            if getattr(current, "_ulysses_offload", None) is self:
+                continue
+            self._originals[layer] = current
+            layer._gradient_checkpointing_func = self._wrap(current)
         return self
 
     def unregister(self) -> None:
@@ -133,6 +137,7 @@ class ActivationOffload:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 return checkpoint_fn(function, *args, **kwargs)
 
+        offloading_checkpoint._ulysses_offload = self  # type: ignore[attr-defined]
         return offloading_checkpoint
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor | _Offloaded:
