@@ -8,6 +8,7 @@ Exit codes: 0 done, 2 bad input (nothing launched, nothing written), 1 a worker 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -32,11 +33,8 @@ def run(args: argparse.Namespace) -> int:
     except TrainInputError as err:
         print(f"ulysses-sp train: error: {err}", file=sys.stderr)
         return 2
-    what = "copy task" if p.margs.uses_task else ", ".join(p.margs.dataset or [])
-    print(f"ulysses-sp train: {p.margs.model or 'embedded Llama'} on {what}, S={p.margs.seq_len}, "
-          f"SP={p.spargs.sp_size} x DP={p.spargs.dp_size} ({p.world_size} processes, "
-          f"{'NCCL on GPUs' if p.use_cuda else 'gloo on CPU'}); output {p.output_dir}",
-          flush=True)
+    if os.environ.get("RANK", "0") == "0":  # once, also when every rank of a torchrun runs this
+        print(describe(p), flush=True)
     try:
         summary = launch(p)
     except Exception as err:  # ChildFailedError carries each failed rank's error
@@ -45,6 +43,14 @@ def run(args: argparse.Namespace) -> int:
     if summary is not None:
         print(format_summary(summary, p.output_dir))
     return 0
+
+
+def describe(p) -> str:
+    """The line printed before launching: model, data, layout, backend, output directory."""
+    what = "copy task" if p.margs.uses_task else ", ".join(p.margs.dataset or [])
+    return (f"ulysses-sp train: {p.margs.model or 'embedded Llama'} on {what}, S={p.margs.seq_len}, "
+            f"SP={p.spargs.sp_size} x DP={p.spargs.dp_size} ({p.world_size} processes, "
+            f"{'NCCL on GPUs' if p.use_cuda else 'gloo on CPU'}); output {p.output_dir}")
 
 
 def format_summary(summary: dict, output_dir) -> str:

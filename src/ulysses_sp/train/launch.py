@@ -42,16 +42,24 @@ class Plan:
     use_cuda: bool
 
 
+def _under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
 def _output_dir(argv: list[str], targs: Any, overwrite: bool) -> Path:
-    """The explicit --output-dir, or the first free ``runs/ulysses-sp-train[-N]``; refuses a used one."""
+    """The explicit --output-dir, or the first free ``runs/ulysses-sp-train[-N]``; refuses a used one.
+
+    Under torchrun every rank validates on its own, so the default is not numbered there (ranks
+    could pick different numbers).
+    """
     given = any(a.split("=")[0] in ("--output-dir", "--output_dir") for a in argv)
-    if not given:
+    if not given and not _under_torchrun():
         path, n = Path(options.DEFAULT_OUTPUT_DIR), 1
         while path.exists() or staging_dir(path).exists():
             n += 1
             path = Path(f"{options.DEFAULT_OUTPUT_DIR}-{n}")
         return path
-    path = Path(targs.output_dir).expanduser()
+    path = Path(targs.output_dir if given else options.DEFAULT_OUTPUT_DIR).expanduser()
     if path.exists() and not path.is_dir():
         raise TrainInputError(f"--output-dir {path} is a file; give a directory.")
     if path.is_dir() and any(path.iterdir()) and not overwrite:
@@ -163,7 +171,8 @@ def launch_config(p: Plan):
     if la.nnodes == 1 and la.rdzv_endpoint is None and la.master_addr is None:
         argv += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}"]
     else:
-        argv += ["--rdzv-backend", la.rdzv_backend, "--node-rank", str(la.node_rank)]
+        argv += ["--rdzv-backend", la.rdzv_backend]
+        argv += ["--node-rank", str(la.node_rank)] if la.rdzv_backend == "static" else []
         argv += ["--rdzv-endpoint", la.rdzv_endpoint] if la.rdzv_endpoint else []
         argv += ["--master-addr", la.master_addr] if la.master_addr else []
         argv += ["--master-port", str(la.master_port)] if la.master_port else []
@@ -179,7 +188,7 @@ def launch(p: Plan) -> dict[str, Any] | None:
 
     from ulysses_sp.train import worker
 
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # already under torchrun: be a worker
+    if _under_torchrun():  # already a worker of torchrun: train here
         return worker.main(p.argv, str(p.output_dir), p.use_cuda)
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
     mp.get_context("forkserver").set_forkserver_preload(PRELOAD)
