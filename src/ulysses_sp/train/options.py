@@ -19,14 +19,23 @@ from ulysses_sp.config import UlyssesSPConfig
 
 DEFAULT_OUTPUT_DIR = "runs/ulysses-sp-train"
 
-# TrainingArguments defaults of this command (the embedded task learns in ~150 steps with them)
+# TrainingArguments defaults of this command; the Trainer's own for everything else
 TRAINING_DEFAULTS: dict[str, Any] = dict(
-    output_dir=None, max_steps=200, per_device_train_batch_size=8, learning_rate=3e-3, warmup_steps=20,
-    lr_scheduler_type="constant_with_warmup", weight_decay=0.0, max_grad_norm=1.0, logging_steps=10,
-    save_strategy="no", report_to="none", seed=0, dataloader_drop_last=True, remove_unused_columns=False,
-    disable_tqdm=True, use_cpu=False, include_num_input_tokens_seen=True,
+    output_dir=None, logging_steps=10, report_to="none", seed=0, dataloader_drop_last=True,
+    remove_unused_columns=False, disable_tqdm=True, use_cpu=False, include_num_input_tokens_seen=True,
     ddp_find_unused_parameters=False,
 )
+# ... and for the embedded copy task (no --dataset): it learns in ~150 steps with these
+TASK_TRAINING_DEFAULTS: dict[str, Any] = dict(
+    max_steps=200, per_device_train_batch_size=8, learning_rate=3e-3, warmup_steps=20,
+    lr_scheduler_type="constant_with_warmup", weight_decay=0.0, max_grad_norm=1.0, save_strategy="no",
+)
+
+
+def training_defaults(argv: list[str]) -> dict[str, Any]:
+    """TrainingArguments defaults for ``argv``: the task's unless ``--dataset`` is given."""
+    real_data = any(a.split("=")[0] == "--dataset" for a in argv)
+    return TRAINING_DEFAULTS if real_data else {**TRAINING_DEFAULTS, **TASK_TRAINING_DEFAULTS}
 
 
 @dataclass
@@ -97,12 +106,12 @@ class LaunchArguments:
 
 
 def build_parser(defaults: dict[str, Any] | None = None):
-    """The ``HfArgumentParser`` of the command, with this command's TrainingArguments defaults."""
+    """The ``HfArgumentParser`` of the command (default: the copy task's TrainingArguments defaults)."""
     from transformers import HfArgumentParser, TrainingArguments
 
     parser = HfArgumentParser((ModelDataArguments, SPArguments, LaunchArguments, TrainingArguments),
                               prog="ulysses-sp train", description="Train a causal LM with Ulysses SP.")
-    parser.set_defaults(**(TRAINING_DEFAULTS if defaults is None else defaults))
+    parser.set_defaults(**(training_defaults([]) if defaults is None else defaults))
     return parser
 
 
@@ -114,7 +123,7 @@ def parse(argv: list[str], use_cuda: bool | None = None):
     Raises:
         ValueError: unknown options (with the closest known names).
     """
-    defaults = dict(TRAINING_DEFAULTS)
+    defaults = dict(training_defaults(argv))
     if use_cuda is not None:
         defaults.update(use_cpu=not use_cuda, ddp_backend="nccl" if use_cuda else "gloo")
     parser = build_parser(defaults)
