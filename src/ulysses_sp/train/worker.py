@@ -36,7 +36,8 @@ def staging_dir(output_dir: str | Path) -> Path:
 def _init_distributed(use_cuda: bool) -> None:
     """env:// process group of the launcher (NCCL with one GPU per rank, else gloo on CPU)."""
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    threads = os.environ.get("OMP_NUM_THREADS") or max(1, (os.cpu_count() or 1) // local_world)
+    torch.set_num_threads(int(threads))  # the user's OMP_NUM_THREADS, else this rank's share of the cores
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():
