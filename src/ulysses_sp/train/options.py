@@ -45,8 +45,8 @@ class ModelDataArguments:
     model: str | None = field(default=None, metadata={"help": "local model directory or Hub name; default: a "
                                                       "small random Llama for the embedded copy task"})
     random_init: bool = field(default=False, metadata={"help": "build --model from its config with random weights"})
-    dtype: str = field(default="float32", metadata={"help": "weights dtype: float32, bfloat16, float16 or auto "
-                                                   "(mixed precision: --bf16 / --fp16)"})
+    dtype: str = field(default="float32", metadata={"help": "weights dtype (mixed precision: --bf16 / --fp16)",
+                                                   "choices": ["float32", "bfloat16", "float16", "auto"]})
     attn_implementation: str = field(default="sdpa", metadata={"help": "kernel run on the full sequence (sdpa, "
                                                                "eager, flash_attention_2, flex_attention)"})
     dataset: list[str] | None = field(default=None, metadata={"help": "text / .jsonl / .json / .parquet / .csv "
