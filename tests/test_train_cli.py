@@ -112,8 +112,9 @@ def hf_dir(tmp_path_factory):
 
 
 def test_real_model_on_chat_jsonl_trains_with_sp2(hf_dir, tmp_path):
-    """Catches the real-data path breaking (tokenizer + chat template + packing + collator + SP):
-    a local model directory trains 2 steps on a JSONL chat file and saves model and tokenizer."""
+    """Catches the real-data path breaking (tokenizer + chat template + packing + collator + SP +
+    the memory flags): a local model directory trains 2 steps on a JSONL chat file and saves model
+    and tokenizer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     data = tmp_path / "chat.jsonl"
@@ -123,7 +124,9 @@ def test_real_model_on_chat_jsonl_trains_with_sp2(hf_dir, tmp_path):
                                              {"role": "assistant", "content": f"{i + 1}"}]}) + "\n")
     out = tmp_path / "run"
     argv = ["train", "--model", str(hf_dir), "--dataset", str(data), "--seq-len", "64", "--max-steps", "2",
-            "--per-device-train-batch-size", "2", "--logging-steps", "1", "--output-dir", str(out)]
+            "--per-device-train-batch-size", "2", "--logging-steps", "1", "--output-dir", str(out),
+            # the memory features through the CLI: tiles not dividing the 32-token shard, offload
+            "--activation-checkpointing", "--offload-activations", "--tiled-mlp-tokens", "12", "--tiled-loss-tokens", "10"]
     assert main(argv) == 0
     records = _records(out)
     assert len(records) == 2 and all("accuracy" not in r and r["loss"] > 0 for r in records)
@@ -148,6 +151,7 @@ def test_collator_restarts_positions_and_masks_document_starts():
     (["--sp-size", "8", "--num-heads", "4"], "sp_size 8 > num_attention_heads 4"),
     (["--seq-len", "33"], "even --seq-len"),
     (["--sp-size", "2", "--nproc-per-node", "3"], "make them equal"),
+    (["--offload-activations"], "add --activation-checkpointing"),
 ])
 def test_bad_options_exit_2_before_launch(argv, message, tmp_path, capsys):
     """Catches bad options turning into a worker traceback, a hang or a half-written run: exit 2,

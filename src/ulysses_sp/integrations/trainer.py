@@ -109,7 +109,8 @@ class UlyssesTrainerMixin:
         if self.sp_config.offload_activations and not args.gradient_checkpointing:
             raise ValueError(
                 "offload_activations moves the inputs of checkpointed layers to CPU, so it needs "
-                "TrainingArguments(gradient_checkpointing=True); enable it or set offload_activations=False."
+                "TrainingArguments(activation_checkpointing=True) (or its older name gradient_checkpointing=True); "
+                "enable it or set offload_activations=False."
             )
         if self.compute_metrics is not None and self.sp_config.sp_size > 1:
             raise ValueError(

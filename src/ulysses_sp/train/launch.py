@@ -139,6 +139,9 @@ def plan(argv: list[str]) -> Plan:
         raise TrainInputError(f"--sp-size {spargs.sp_size} x --dp-size {spargs.dp_size} = {world} processes, but "
                               f"--nnodes {largs.nnodes} x --nproc-per-node {nproc} = {nproc * largs.nnodes}; "
                               "make them equal.")
+    if spargs.offload_activations and not targs.gradient_checkpointing:
+        raise TrainInputError("--offload-activations moves the inputs of checkpointed layers to CPU: add "
+                              "--activation-checkpointing (or drop --offload-activations).")
     if margs.seq_len < 2:
         raise TrainInputError(f"--seq-len must be >= 2, got {margs.seq_len}.")
     output_dir = _output_dir(argv, targs, margs.overwrite_output_dir)

@@ -82,11 +82,14 @@ class SPArguments:
     tiled_mlp_tokens: int | None = field(default=None, metadata={"help": "run MLPs in tiles of this many tokens"})
     tiled_loss_tokens: int | None = field(default=None, metadata={"help": "lm_head + loss in tiles of this many "
                                                                    "tokens (never the full logits)"})
+    offload_activations: bool = field(default=False, metadata={"help": "keep the inputs of checkpointed layers in "
+                                                               "CPU memory (needs --activation_checkpointing)"})
 
     def to_config(self) -> UlyssesSPConfig:
         """The shared ``UlyssesSPConfig`` (validates the values)."""
         return UlyssesSPConfig(sp_size=self.sp_size, sp_attn_implementation=self.sp_attn_implementation,
-                               tiled_mlp_tokens=self.tiled_mlp_tokens, tiled_loss_tokens=self.tiled_loss_tokens)
+                               tiled_mlp_tokens=self.tiled_mlp_tokens, tiled_loss_tokens=self.tiled_loss_tokens,
+                               offload_activations=self.offload_activations)
 
 
 @dataclass
