@@ -282,7 +282,8 @@ class RingAttention:
             rows = {tuple(t.tolist()) for t in table}
             if len(rows) != 1:
                 raise ValueError(
-                    f"ranks of the ring passed different attention inputs (B, N, s, H, B, K, s, H, Hv, itemsize, float): "
+                    "ranks of the ring passed different attention inputs "
+                    f"(B, N, s, H, B, K, s, H, Hv, itemsize, float): "
                     f"{sorted(rows)}; every rank must hold an equal slice of the same batch in one dtype."
                 )
         self._validated = True

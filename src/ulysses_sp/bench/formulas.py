@@ -36,7 +36,9 @@ class AttentionComm:
     text: str
 
 
-def attention_comm(system: str, P: int, B: int, S: int, N: int, K: int, H: int, itemsize: int, rank: int = 0) -> AttentionComm:
+def attention_comm(
+    system: str, P: int, B: int, S: int, N: int, K: int, H: int, itemsize: int, rank: int = 0
+) -> AttentionComm:
     """The communication model of ``system`` for one attention layer (see the module docstring)."""
     s = S // P
     if P == 1 or system == "single":
@@ -46,8 +48,10 @@ def attention_comm(system: str, P: int, B: int, S: int, N: int, K: int, H: int, 
         sent = plan.bytes_sent_per_rank(rank, B, s, H, H, itemsize)
         fwd = sent["qkv"] + sent["out"]
         n = [plan.num_local_heads(j)[0] for j in range(P)]
-        bwd = ((P - 1) * plan.qkv_numels(rank, B, s, H, H) + sum(B * s * n[j] * H for j in range(P) if j != rank)) * itemsize
-        return AttentionComm(fwd, bwd, 2, 2, "HeadPlan.bytes_sent_per_rank: qkv+out = B*s*(n_j*H + k_j*2H) over j!=r + B*s*n_r*H*(P-1), x b")
+        out_grads = sum(B * s * n[j] * H for j in range(P) if j != rank)
+        bwd = ((P - 1) * plan.qkv_numels(rank, B, s, H, H) + out_grads) * itemsize
+        text = "HeadPlan.bytes_sent_per_rank: qkv+out = B*s*(n_j*H + k_j*2H) over j!=r + B*s*n_r*H*(P-1), x b"
+        return AttentionComm(fwd, bwd, 2, 2, text)
     if system == "deepspeed":
         Kx = max(K, P)
         a2a = B * s * (2 * N * H + 2 * Kx * H) * itemsize * (P - 1) // P

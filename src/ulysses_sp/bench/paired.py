@@ -59,8 +59,9 @@ def run_paired(jobs: list[Job], rounds: int, timeout_s: float = 900.0, preload: 
 
 def paired_table(records: list[dict]) -> list[str]:
     """Markdown: per (P, S), each system's median step and the median of its per-round ratio to ulysses."""
-    lines = ["Paired timing (same processes, alternating steps; ratio = median over rounds of step / ulysses step):", "",
-             "| S | P | system | median (min) step s | step / ulysses step (median of rounds) |", "|---|---|---|---|---|"]
+    lines = ["Paired timing (same processes, alternating steps; ratio = median over rounds of step / ulysses step):",
+             "", "| S | P | system | median (min) step s | step / ulysses step (median of rounds) |",
+             "|---|---|---|---|---|"]
     for key in sorted({(r["seq_len"], r["sp_size"]) for r in records}):
         group = [r for r in records if (r["seq_len"], r["sp_size"]) == key]
         ours = next((r for r in group if r["system"] == "ulysses"), None)

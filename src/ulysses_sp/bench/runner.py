@@ -186,6 +186,7 @@ def run_job(job: Job, timeout_s: float = 900.0, preload: tuple[str, ...] = ()) -
     world = 1 if job.system == "single" else job.sp_size
     with tempfile.TemporaryDirectory() as tmp:
         out_path = os.path.join(tmp, "record.json")
-        launch.spawn(_worker, world, job, out_path, backend=job.backend, timeout_s=timeout_s, preload=PRELOAD + list(preload))
+        launch.spawn(_worker, world, job, out_path, backend=job.backend, timeout_s=timeout_s,
+                     preload=PRELOAD + list(preload))
         with open(out_path) as f:
             return json.load(f)

@@ -141,7 +141,8 @@ def deepspeed_step(model, ids_BS: torch.Tensor, mesh, counter: CommCounter) -> S
         micro_batch_size=B, seq_length=S, seq_length_is_variable=False,
     )
     ALL_ATTENTION_FUNCTIONS["sdpa"] = counter.scoped(ALL_ATTENTION_FUNCTIONS["sdpa"])
-    rows = [{"input_ids": ids_BS[b].cpu(), "labels": ids_BS[b].cpu(), "position_ids": torch.arange(S)} for b in range(B)]
+    rows = [{"input_ids": ids_BS[b].cpu(), "labels": ids_BS[b].cpu(), "position_ids": torch.arange(S)}
+            for b in range(B)]
     loader = torch.utils.data.DataLoader(rows, batch_size=B)
     group = mpu.get_sequence_parallel_group()
     adapter = UlyssesSPDataLoaderAdapter(loader, mpu.get_sequence_parallel_rank(), group, mesh.sp_size, ids_BS.device)
