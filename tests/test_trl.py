@@ -20,7 +20,15 @@ def _main(rank, world, argvs):
     import sft_train
 
     for argv in argvs:  # several runs per spawn: trl / datasets are imported once per worker
-        sft_train.main(argv)
+        trainer = sft_train.main(argv)
+        if "--assistant-only" in argv and rank == 0:  # the raw chat rows and TRL's labels, for the mask check
+            rows = sft_train.tiny_chat_dataset(4, seed=1)  # the first rows of the run's train_dataset (seed=1)
+            batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
+            dump = {"messages": [rows[i]["messages"] for i in range(4)],
+                    "labels": [trainer.train_dataset[i]["labels"] for i in range(4)],
+                    "collated_labels": batch["labels"].tolist()}
+            log = Path(argv[argv.index("--log-file") + 1])
+            log.with_suffix(".labels.json").write_text(json.dumps(dump))
 
 
 def spawn_examples(nproc: int, tmp: Path, runs: dict[str, tuple[str, ...]]) -> dict[str, list[dict]]:
@@ -32,20 +40,27 @@ def spawn_examples(nproc: int, tmp: Path, runs: dict[str, tuple[str, ...]]) -> d
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """sp=2 on 2 ranks and the plain SFTTrainer on 1 process, with and without BFD packing."""
+    """sp=2 on 2 ranks and the plain SFTTrainer on 1 process: BFD packing, padded rows, padding-free
+    without packing, and assistant-only loss on conversational rows."""
     tmp = tmp_path_factory.mktemp("sft")
     sp = spawn_examples(2, tmp, {"sp_packed": ("--sp-size", "2", "--packing", "--eval"),
-                                 "sp_padded": ("--sp-size", "2", "--eval")})
+                                 "sp_padded": ("--sp-size", "2", "--eval"),
+                                 "sp_padding_free": ("--sp-size", "2", "--padding-free"),
+                                 "sp_assistant": ("--sp-size", "2", "--assistant-only")})
     plain = spawn_examples(1, tmp, {"plain_packed": ("--plain", "--packing", "--eval"),
-                                    "plain_padded": ("--plain", "--eval")})
-    return {**sp, **plain}
+                                    "plain_padded": ("--plain", "--eval"),
+                                    "plain_padding_free": ("--plain", "--padding-free"),
+                                    "plain_assistant": ("--plain", "--assistant-only")})
+    out = {**sp, **plain}
+    out["assistant_labels"] = json.loads((tmp / "plain_assistant.labels.json").read_text())
+    return out
 
 
 def step_logs(records: list[dict]) -> dict[int, dict]:
     return {r["step"]: r for r in records if "loss" in r}
 
 
-def assert_same_run(sp: list[dict], plain: list[dict]) -> None:
+def assert_same_run(sp: list[dict], plain: list[dict], evaluated: bool = True) -> None:
     sp_steps, plain_steps = step_logs(sp), step_logs(plain)
     assert sorted(sp_steps) == [1, 2, 3] == sorted(plain_steps)
     for step in (1, 2, 3):
@@ -56,6 +71,8 @@ def assert_same_run(sp: list[dict], plain: list[dict]) -> None:
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (step, key)
         for key in ("num_tokens", "num_input_tokens_seen", "epoch"):  # counts: exact
             assert a[key] == b[key], (step, key)
+    if not evaluated:
+        return
     eval_sp = next(r for r in sp if "eval_loss" in r)
     eval_plain = next(r for r in plain if "eval_loss" in r)
     for key in ("eval_loss", "eval_entropy", "eval_mean_token_accuracy"):
@@ -76,3 +93,37 @@ def test_sft_padded_batches_sp2_matches_plain(runs):
     odd global lengths padded to a multiple of sp_size. Catches padding counted as tokens or
     attended to, and num_tokens / num_input_tokens_seen counted from shards."""
     assert_same_run(runs["sp_padded"], runs["plain_padded"])
+
+
+def test_sft_padding_free_without_packing_sp2_matches_plain(runs):
+    """``SFTConfig(padding_free=True, packing=False)``: each batch's rows concatenated into one row,
+    position_ids restarting per row, no attention_mask, the first token of each row label -100.
+    Catches rows attending across their boundary in the concatenated row (position_ids ignored
+    when there is no packing's ``seq_lengths``), a label predicting the next row's first token
+    counted, and num_tokens counted from shards or padding."""
+    assert_same_run(runs["sp_padding_free"], runs["plain_padding_free"], evaluated=False)
+
+
+def test_sft_assistant_only_loss_sp2_matches_plain(runs):
+    """``assistant_only_loss=True`` on conversational rows: the chat template's ``{% generation %}``
+    span gives the assistant mask, user turns get label -100. Catches user-turn labels counted in
+    the SP loss or its normaliser (the global valid-token count), and the loss scale under gradient
+    accumulation when most tokens are masked."""
+    assert_same_run(runs["sp_assistant"], runs["plain_assistant"], evaluated=False)
+
+
+def test_sft_assistant_only_masks_user_turns(runs):
+    """TRL's labels of the chat rows: every user-turn token -100, every assistant word and its
+    closing <eos> labelled with its id (the example's template and its fast-tokenizer
+    assistant_masks). Catches a template without working ``{% generation %}`` markers, which would
+    make the assistant-only runs above compare full-sequence losses."""
+    dump = runs["assistant_labels"]
+    for messages, labels in zip(dump["messages"], dump["labels"], strict=True):
+        expected = []
+        for m in messages:  # the template renders the words in order, an assistant turn ends in <eos> (id 1)
+            ids = [int(w[1:]) for w in m["content"].split()]
+            expected += ids + [1] if m["role"] == "assistant" else [-100] * len(ids)
+        assert labels == expected
+    # the collator keeps those labels (right padding with -100)
+    for row, labels in zip(dump["collated_labels"], dump["labels"], strict=True):
+        assert row[: len(labels)] == labels and set(row[len(labels):]) <= {-100}
