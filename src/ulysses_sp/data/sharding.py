@@ -176,8 +176,10 @@ def validate_same_batch(input_ids_BS: torch.Tensor, group: ProcessGroup | None) 
     if len(set(rows)) > 1:
         raise ValueError(
             "all ranks of an SP group must see the same batch, got (B, S, checksum) per rank "
-            f"{rows}; wrap the DataLoader with UlyssesDataLoader and give its sampler "
-            "dp_sampler_kwargs(mesh) (num_replicas=dp_size, rank=dp_rank, not the world rank)."
+            f"{rows}. Split data over data-parallel replicas, not over the world: UlyssesTrainer / "
+            "UlyssesSFTTrainer / UlyssesAccelerate.prepare do this for their loaders; an eval or custom batch "
+            "must be the same on the ranks of a group (same length too); in a plain loop use UlyssesDataLoader "
+            "with a sampler built from dp_sampler_kwargs(mesh) (num_replicas=dp_size, rank=dp_rank)."
         )
 
 
