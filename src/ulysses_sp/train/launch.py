@@ -195,5 +195,12 @@ def launch(p: Plan) -> dict[str, Any] | None:
         return worker.main(p.argv, str(p.output_dir), p.use_cuda)
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
     mp.get_context("forkserver").set_forkserver_preload(PRELOAD)
-    results = elastic_launch(launch_config(p), worker.main)(p.argv, str(p.output_dir), p.use_cuda)
+    saved_threads = os.environ.get("OMP_NUM_THREADS")  # launch_config sets it for the workers only
+    try:
+        results = elastic_launch(launch_config(p), worker.main)(p.argv, str(p.output_dir), p.use_cuda)
+    finally:
+        if saved_threads is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved_threads
     return next((r for r in results.values() if r is not None), None)
