@@ -88,21 +88,31 @@ class GlobalMask:
         return self._cached(("dense", str(device), sliding_window), lambda: self._build_dense(device, sliding_window))
 
     def _build_dense(self, device: torch.device, window: int | None) -> torch.Tensor:
-        S = self.seq_len
-        i = torch.arange(S, device=device)[:, None]
-        j = torch.arange(S, device=device)[None, :]
-        allowed = torch.ones(1, S, S, dtype=torch.bool, device=device)
+        return self.block(0, 0, self.seq_len, self.seq_len, device, window)[:, None]
+
+    def block(
+        self, row0: int, col0: int, num_rows: int, num_cols: int, device: torch.device, window: int | None = None
+    ) -> torch.Tensor:
+        """``(B or 1, num_rows, num_cols)`` bool: may query ``row0 + a`` attend to key ``col0 + b``.
+
+        The rule of :meth:`dense` restricted to one block (ring attention builds one per step):
+        causal, sliding window, same document, and padding queries see only themselves.
+        """
+        i = torch.arange(row0, row0 + num_rows, device=device)[:, None]
+        j = torch.arange(col0, col0 + num_cols, device=device)[None, :]
+        allowed = torch.ones(1, num_rows, num_cols, dtype=torch.bool, device=device)
         if self.causal:
             allowed = allowed & (j <= i)
         if window is not None:
             allowed = allowed & (i - j < window)
         if self.document_ids is not None:
             doc = self.document_ids.to(device)
-            allowed = allowed & (doc[:, :, None] == doc[:, None, :])
+            allowed = allowed & (doc[:, row0 : row0 + num_rows, None] == doc[:, None, col0 : col0 + num_cols])
         if self.valid is not None:
             valid = self.valid.to(device)
-            allowed = (allowed & valid[:, None, :]) | (torch.eye(S, dtype=torch.bool, device=device) & ~valid[:, :, None])
-        return allowed[:, None]
+            own = (i == j) & ~valid[:, row0 : row0 + num_rows, None]
+            allowed = (allowed & valid[:, None, col0 : col0 + num_cols]) | own
+        return allowed
 
     def segments(self) -> list[list[tuple[int, int]]]:
         """Per row, the ``(start, end)`` runs of one document and one padding state."""

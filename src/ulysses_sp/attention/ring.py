@@ -42,8 +42,8 @@ def _block_mask(
 ) -> tuple[torch.Tensor | None, bool]:
     """Who may attend in the block of query rows ``[row0, row0+s)`` x key cols ``[col0, col0+s)``.
 
-    Returns ``(allowed, causal_diag)``: ``allowed`` is ``(B or 1, 1, s, s)`` bool (same rule as
-    ``GlobalMask.dense``: padding queries see only themselves) or ``None`` when the block is
+    Returns ``(allowed, causal_diag)``: ``allowed`` is ``(B or 1, 1, s, s)`` bool
+    (``GlobalMask.block``) or ``None`` when the block is
     either fully visible (``causal_diag=False``) or the plain causal diagonal (``True``).
     """
     if window is None and mask.document_ids is None and mask.valid is None:
@@ -51,21 +51,7 @@ def _block_mask(
             return None, False
         if col0 == row0:
             return None, True
-    i = torch.arange(row0, row0 + s, device=device)[:, None]
-    j = torch.arange(col0, col0 + s, device=device)[None, :]
-    allowed = torch.ones(1, s, s, dtype=torch.bool, device=device)
-    if mask.causal:
-        allowed = allowed & (j <= i)
-    if window is not None:
-        allowed = allowed & (i - j < window)
-    if mask.document_ids is not None:
-        doc = mask.document_ids.to(device)
-        allowed = allowed & (doc[:, row0 : row0 + s, None] == doc[:, None, col0 : col0 + s])
-    if mask.valid is not None:
-        valid = mask.valid.to(device)
-        own = (i == j) & ~valid[:, row0 : row0 + s, None]
-        allowed = (allowed & valid[:, None, col0 : col0 + s]) | own
-    return allowed[:, None], False
+    return mask.block(row0, col0, s, s, device, window)[:, None], False
 
 
 def _expand(x_BKsH: torch.Tensor, N: int) -> torch.Tensor:
