@@ -33,49 +33,75 @@ def _tile_size(seq_len: int, num_tiles: int) -> int:
     return max(1, math.ceil(seq_len / max(1, num_tiles)))
 
 
-class TiledMLPFunction(torch.autograd.Function):
+class TiledTokensFunction(torch.autograd.Function):
+    """``apply(fn, x, tile, dim, *params) -> tuple of outputs``, ``fn`` run on tiles of ``x`` along ``dim``.
+
+    ``fn(x_tile)`` returns a tuple of tensors whose size along ``dim`` is the tile's; the outputs
+    are concatenated along ``dim``. ``params``: the tensors of ``fn`` that should receive
+    gradients (those requiring grad); parameters left out (frozen ones) get none. Backward
+    recomputes each tile with grad and skips outputs that received no gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, fn: Callable, x: torch.Tensor, tile: int, dim: int, *params: torch.Tensor):
+        ctx.fn, ctx.tile, ctx.dim = fn, tile, dim
+        ctx.set_materialize_grads(False)
+        device_type = x.device.type
+        ctx.autocast = (device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
+        ctx.save_for_backward(x, *params)
+        with torch.no_grad():
+            tiles = [fn(x_tile) for x_tile in x.split(tile, dim=dim)]
+        return tuple(torch.cat(parts, dim=dim) for parts in zip(*tiles))
+
+    @staticmethod
+    def backward(ctx, *grads_out: torch.Tensor | None):
+        x, *params = ctx.saved_tensors
+        need_dx = ctx.needs_input_grad[1]
+        wanted = [p for p, need in zip(params, ctx.needs_input_grad[4:]) if need]
+        param_grads: list[torch.Tensor | None] = [None] * len(wanted)
+        dx_tiles = []
+        device_type, autocast_on, autocast_dtype = ctx.autocast
+        for i, x_tile in enumerate(x.split(ctx.tile, dim=ctx.dim)):
+            start, length = i * ctx.tile, x_tile.shape[ctx.dim]
+            x_t = x_tile.detach().requires_grad_(need_dx)
+            with torch.enable_grad(), torch.autocast(device_type, enabled=autocast_on, dtype=autocast_dtype):
+                outs = ctx.fn(x_t)
+            pairs = [(o, g.narrow(ctx.dim, start, length)) for o, g in zip(outs, grads_out)
+                     if g is not None and o.requires_grad]
+            inputs = ([x_t] if need_dx else []) + wanted
+            if pairs:
+                outputs, grads_in = [o for o, _ in pairs], [g for _, g in pairs]
+                grads = list(torch.autograd.grad(outputs, inputs, grads_in, allow_unused=True))
+            else:
+                grads = [None] * len(inputs)
+            if need_dx:
+                dx = grads.pop(0)
+                dx_tiles.append(torch.zeros_like(x_t) if dx is None else dx)
+            for j, g in enumerate(grads):
+                if g is not None:
+                    param_grads[j] = g if param_grads[j] is None else param_grads[j] + g
+            del outs, pairs, grads  # free this tile's recomputed graph before the next tile
+        dx = torch.cat(dx_tiles, dim=ctx.dim) if need_dx else None
+        it = iter(param_grads)
+        return (None, dx, None, None, *[next(it) if need else None for need in ctx.needs_input_grad[4:]])
+
+
+class TiledMLPFunction:
     """``TiledMLPFunction.apply(mlp_forward_fn, x_BsD, num_tiles, *params) -> y_BsD``.
 
+    A single-output MLP over ``num_tiles`` sequence tiles (``TiledTokensFunction`` along ``s``).
     ``params``: the tensors of ``mlp_forward_fn`` that should receive gradients (those requiring
     grad); parameters left out (frozen ones) get none.
     """
 
     @staticmethod
-    def forward(ctx, mlp_forward_fn: Callable, x_BsD: torch.Tensor, num_tiles: int, *params: torch.Tensor):
-        ctx.fn = mlp_forward_fn
-        ctx.tile = _tile_size(x_BsD.shape[_SEQ_DIM], num_tiles)
-        device_type = x_BsD.device.type
-        ctx.autocast = (device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
-        ctx.save_for_backward(x_BsD, *params)
-        with torch.no_grad():
-            y_tiles = [_call(mlp_forward_fn, x_BtD) for x_BtD in x_BsD.split(ctx.tile, dim=_SEQ_DIM)]
-        return torch.cat(y_tiles, dim=_SEQ_DIM)
+    def apply(mlp_forward_fn: Callable, x_BsD: torch.Tensor, num_tiles: int, *params: torch.Tensor) -> torch.Tensor:
+        tile = _tile_size(x_BsD.shape[_SEQ_DIM], num_tiles)
+        def one_output(x_BtD: torch.Tensor) -> tuple[torch.Tensor]:
+            return (_call(mlp_forward_fn, x_BtD),)
 
-    @staticmethod
-    def backward(ctx, dy_BsD: torch.Tensor):
-        x_BsD, *params = ctx.saved_tensors
-        need_dx = ctx.needs_input_grad[1]
-        wanted = [p for p, need in zip(params, ctx.needs_input_grad[3:]) if need]
-        param_grads: list[torch.Tensor | None] = [None] * len(wanted)
-        dx_tiles = []
-        device_type, autocast_on, autocast_dtype = ctx.autocast
-        for x_tile, dy_BtD in zip(x_BsD.split(ctx.tile, dim=_SEQ_DIM), dy_BsD.split(ctx.tile, dim=_SEQ_DIM)):
-            x_BtD = x_tile.detach().requires_grad_(need_dx)
-            with torch.enable_grad(), torch.autocast(device_type, enabled=autocast_on, dtype=autocast_dtype):
-                y_BtD = _call(ctx.fn, x_BtD)
-            inputs = ([x_BtD] if need_dx else []) + wanted
-            grads = torch.autograd.grad(y_BtD, inputs, dy_BtD, allow_unused=True)
-            if need_dx:
-                dx_tiles.append(grads[0])
-                grads = grads[1:]
-            for i, g in enumerate(grads):
-                if g is not None:
-                    param_grads[i] = g if param_grads[i] is None else param_grads[i] + g
-            del y_BtD, grads  # free this tile's recomputed graph before the next tile
-        dx_BsD = torch.cat(dx_tiles, dim=_SEQ_DIM) if need_dx else None
-        it = iter(param_grads)
-        all_param_grads = [next(it) if need else None for need in ctx.needs_input_grad[3:]]
-        return (None, dx_BsD, None, *all_param_grads)
+        (y_BsD,) = TiledTokensFunction.apply(one_output, x_BsD, tile, _SEQ_DIM, *params)
+        return y_BsD
 
 
 def _call(fn: Callable, x: torch.Tensor) -> torch.Tensor:

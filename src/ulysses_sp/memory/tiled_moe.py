@@ -35,56 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ulysses_sp.memory.tiled_mlp import TiledMLP
-
-
-class TiledTokensFunction(torch.autograd.Function):
-    """``apply(fn, x_TD, tile, *params) -> tuple of outputs``, each ``(T, ...)``, tiled over rows.
-
-    ``fn(x_tD)`` returns a tuple of tensors whose first dim is ``t``; outputs are concatenated
-    along dim 0. Backward recomputes each tile and skips outputs that received no gradient.
-    """
-
-    @staticmethod
-    def forward(ctx, fn: Callable, x_TD: torch.Tensor, tile: int, *params: torch.Tensor):
-        ctx.fn, ctx.tile = fn, tile
-        ctx.set_materialize_grads(False)
-        device_type = x_TD.device.type
-        ctx.autocast = (device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
-        ctx.save_for_backward(x_TD, *params)
-        with torch.no_grad():
-            tiles = [fn(x_tD) for x_tD in x_TD.split(tile)]
-        return tuple(torch.cat(parts) for parts in zip(*tiles))
-
-    @staticmethod
-    def backward(ctx, *grads_out: torch.Tensor | None):
-        x_TD, *params = ctx.saved_tensors
-        need_dx = ctx.needs_input_grad[1]
-        wanted = [p for p, need in zip(params, ctx.needs_input_grad[3:]) if need]
-        param_grads: list[torch.Tensor | None] = [None] * len(wanted)
-        dx_tiles = []
-        device_type, autocast_on, autocast_dtype = ctx.autocast
-        for i, x_tile in enumerate(x_TD.split(ctx.tile)):
-            rows = slice(i * ctx.tile, i * ctx.tile + x_tile.shape[0])
-            x_tD = x_tile.detach().requires_grad_(need_dx)
-            with torch.enable_grad(), torch.autocast(device_type, enabled=autocast_on, dtype=autocast_dtype):
-                outs = ctx.fn(x_tD)
-            pairs = [(o, g[rows]) for o, g in zip(outs, grads_out) if g is not None and o.requires_grad]
-            inputs = ([x_tD] if need_dx else []) + wanted
-            if pairs:
-                grads = list(torch.autograd.grad([o for o, _ in pairs], inputs, [g for _, g in pairs], allow_unused=True))
-            else:
-                grads = [None] * len(inputs)
-            if need_dx:
-                dx = grads.pop(0)
-                dx_tiles.append(torch.zeros_like(x_tD) if dx is None else dx)
-            for j, g in enumerate(grads):
-                if g is not None:
-                    param_grads[j] = g if param_grads[j] is None else param_grads[j] + g
-            del outs, pairs, grads  # free this tile's recomputed graph before the next tile
-        dx_TD = torch.cat(dx_tiles) if need_dx else None
-        it = iter(param_grads)
-        return (None, dx_TD, None, *[next(it) if need else None for need in ctx.needs_input_grad[3:]])
+from ulysses_sp.memory.tiled_mlp import TiledMLP, TiledTokensFunction
 
 
 @contextmanager
@@ -137,9 +88,9 @@ class TiledMoE(TiledMLP):
         params = [p for p in self.mlp.parameters() if p.requires_grad]
         tile = max(1, B * self.tile_tokens)
         if self.router is None:
-            (y_TD,) = TiledTokensFunction.apply(self._tile_fn, x_TD, tile, *params)
+            (y_TD,) = TiledTokensFunction.apply(self._tile_fn, x_TD, tile, 0, *params)
             return y_TD.view(B, s, D)
-        y_TD, logits_TE = TiledTokensFunction.apply(self._tile_fn, x_TD, tile, *params)
+        y_TD, logits_TE = TiledTokensFunction.apply(self._tile_fn, x_TD, tile, 0, *params)
         self._emit_router_hooks(x_TD, logits_TE)
         return y_TD.view(B, s, D)
 
