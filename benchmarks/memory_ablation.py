@@ -3,7 +3,7 @@
 Ladder (every rung uses gradient checkpointing, as ALST does):
 
     plain       one process, Transformers' own loss (full (S, V) logits)
-    tiled_loss  one process, lm_head + CE in token tiles (UlyssesSP.forward_loss(tile_tokens=))
+    tiled_loss  one process, lm_head + CE in token tiles (UlyssesSPConfig(tiled_loss_tokens=...))
     ulysses     + Ulysses SP over P=2 processes
     tiled_mlp   + MLPs in sequence tiles
     offload     + checkpointed layer inputs offloaded to host memory
@@ -25,7 +25,7 @@ What "measured peak" is:
     cuda: ``torch.cuda.max_memory_allocated()`` minus ``memory_allocated()`` before the step
           (same content, exact allocator bytes); offloaded tensors are in host memory.
 
-Next to every measurement the memory model (``ulysses_sp.memory.model.estimate_peak_memory``)
+Next to every measurement the memory model (``ulysses_sp.estimate_peak_memory``)
 prints its prediction for the same setting.
 
     .venv/bin/python benchmarks/memory_ablation.py --out benchmarks/results/memory_ablation_cpu.md
@@ -78,9 +78,7 @@ def _build(device: str):
 
 
 def _step(model, rung: str, seq_len: int, device: str) -> None:
-    from ulysses_sp.comm.mesh import SPMesh
-    from ulysses_sp.integrations.transformers import UlyssesSP
-    from ulysses_sp.loss import global_num_items
+    from ulysses_sp import SPMesh, UlyssesSP, UlyssesSPConfig, global_num_items
 
     sp_size, tiled_loss, tiled_mlp, offload = FEATURES[rung]
     ids = torch.randint(1, MODEL["vocab_size"], (1, seq_len), generator=torch.Generator().manual_seed(seq_len))
@@ -89,10 +87,12 @@ def _step(model, rung: str, seq_len: int, device: str) -> None:
         model(input_ids=ids, labels=ids).loss.backward()
         return
     mesh = SPMesh.from_world(sp_size, device_type=device)
-    with UlyssesSP(model, mesh, tiled_mlp_tokens=MLP_TILE if tiled_mlp else None, offload_activations=offload) as sp:
+    config = UlyssesSPConfig(sp_size=sp_size, tiled_mlp_tokens=MLP_TILE if tiled_mlp else None,
+                             tiled_loss_tokens=LOSS_TILE if tiled_loss else None, offload_activations=offload)
+    with UlyssesSP(model, mesh, config) as sp:
         shard = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in sp.shard({"input_ids": ids}).items()}
         num_items = global_num_items(shard["shift_labels"], mesh.sp_group)
-        sp.forward_loss(model, shard, num_items, tile_tokens=LOSS_TILE if tiled_loss else None).backward()
+        sp.forward_loss(model, shard, num_items).backward()
 
 
 def trial_worker(rank: int, world: int, rung: str, seq_len: int, device: str, out_dir: str) -> None:
@@ -124,19 +124,18 @@ def trial_worker(rank: int, world: int, rung: str, seq_len: int, device: str, ou
 
 def measure(rung: str, seq_len: int, device: str) -> dict:
     """Run one trial in fresh processes; the largest per-rank peak and the step time."""
-    from ulysses_sp.comm import launch
+    from ulysses_sp import spawn
 
     world = FEATURES[rung][0]
     with tempfile.TemporaryDirectory() as out_dir:
-        launch.spawn(trial_worker, world, rung, seq_len, device, out_dir, backend="nccl" if device == "cuda" else "gloo",
-                     timeout_s=900, preload=["transformers", "transformers.models.llama.modeling_llama",
-                                             "ulysses_sp.integrations.transformers"])
+        spawn(trial_worker, world, rung, seq_len, device, out_dir, backend="nccl" if device == "cuda" else "gloo",
+              timeout_s=900, preload=["transformers", "transformers.models.llama.modeling_llama", "ulysses_sp"])
         results = [json.load(open(os.path.join(out_dir, f"rank{r}.json"))) for r in range(world)]
     return {"peak": max(r["peak"] for r in results), "seconds": max(r["seconds"] for r in results)}
 
 
 def predict(rung: str, seq_len: int, device: str) -> int:
-    from ulysses_sp.memory.model import MemoryFeatures, estimate_peak_memory
+    from ulysses_sp import MemoryFeatures, estimate_peak_memory
 
     sp_size, tiled_loss, tiled_mlp, offload = FEATURES[rung]
     features = MemoryFeatures(checkpointing=True, tiled_loss_tokens=LOSS_TILE if tiled_loss else None,
@@ -153,7 +152,7 @@ def longest(rung: str, budget: int, device: str, log) -> tuple[int, dict]:
     The model only picks where to look: every reported length is measured to fit, and a length
     at most 5% longer is measured not to.
     """
-    from ulysses_sp.memory.model import MemoryFeatures, longest_sequence
+    from ulysses_sp import MemoryFeatures, longest_sequence
 
     sp_size, tiled_loss, tiled_mlp, offload = FEATURES[rung]
     step = GRANULE * sp_size

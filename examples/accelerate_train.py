@@ -23,8 +23,7 @@ from accelerate import Accelerator
 from torch.utils.data import DataLoader
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from ulysses_sp.config import UlyssesSPConfig
-from ulysses_sp.integrations.accelerate import UlyssesAccelerate
+from ulysses_sp import UlyssesAccelerate, UlyssesSPConfig
 
 
 def parse_args() -> argparse.Namespace:

@@ -29,8 +29,7 @@ from tokenizers.pre_tokenizers import WhitespaceSplit
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from trl import SFTConfig, SFTTrainer
 
-from ulysses_sp.config import UlyssesSPConfig
-from ulysses_sp.integrations.trl import UlyssesSFTTrainer
+from ulysses_sp import UlyssesSFTTrainer, UlyssesSPConfig
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from trainer_train import JsonLogger  # noqa: E402

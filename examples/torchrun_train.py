@@ -29,10 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from ulysses_sp import SPMesh
-from ulysses_sp.data import dp_sampler_kwargs
-from ulysses_sp.integrations.transformers import UlyssesSP
-from ulysses_sp.loss import global_num_items, reported_loss
+from ulysses_sp import SPMesh, UlyssesSP, dp_sampler_kwargs, global_num_items, reported_loss
 
 
 def main() -> None:

@@ -18,8 +18,7 @@ import torch
 from datasets import Dataset
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
-from ulysses_sp.config import UlyssesSPConfig
-from ulysses_sp.integrations.trainer import UlyssesTrainer
+from ulysses_sp import UlyssesSPConfig, UlyssesTrainer
 
 
 class JsonLogger(TrainerCallback):

@@ -54,7 +54,7 @@ def test_config_from_accelerate_parallelism_config_object():
 @pytest.mark.parametrize("values, match", [
     ({"sp_size": 2, "sp_backend": "deepspeed"}, "ulysses-sp is the backend: write sp_backend: ulysses"),
     ({"parallelism_config_sp_size": 2, "parallelism_config_sp_backend": "deepspeed"}, "sp_backend: ulysses"),
-    ({"sp_size": 2, "sp_backend": "ring"}, "sp_backend 'ring' is not available"),
+    ({"sp_size": 2, "sp_backend": "megatron"}, "sp_backend 'megatron' is not available"),
     ({"sp_size": 2, "tp_size": 2}, "tp_size=2 is not supported"),
     ({"sp_size": 2, "cp_size": 2}, "cp_size=2 is not supported"),
     ({"sp_size": 2, "dp_shard_size": 2}, "dp_shard_size=2 is not supported"),

@@ -6,7 +6,7 @@ import torch
 from tiny_models import tiny_model
 from ulysses_sp.cli.check import format_report
 from ulysses_sp.cli.main import main
-from ulysses_sp.integrations.check import TOLERANCES, CheckBatch, CheckOptions, CheckReport, StepResult, compare
+from ulysses_sp.cli.check.engine import TOLERANCES, CheckBatch, CheckOptions, CheckReport, StepResult, compare
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from tiny_models import tiny_batch, tiny_model
-from ulysses_sp import SPMesh
+from ulysses_sp import SPMesh, UlyssesSPConfig
 from dist_helper import spawn
 from ulysses_sp.integrations.transformers import UlyssesSP
 from ulysses_sp.loss import global_num_items, reported_loss
@@ -60,12 +60,12 @@ def reference() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     return loss.detach(), {name: p.grad for name, p in model.named_parameters()}
 
 
-def sp_step(wrapped: torch.nn.Module, sp: UlyssesSP, mesh: SPMesh, tiled_loss_tokens=None) -> torch.Tensor:
+def sp_step(wrapped: torch.nn.Module, sp: UlyssesSP, mesh: SPMesh) -> torch.Tensor:
     """One training step of this rank through ``wrapped``; returns the logged (global) loss."""
     shard = sp.shard(micro_batches()[mesh.dp_rank])
     num_items = global_num_items(shard["shift_labels"], group=None)  # the whole step: all 4 ranks
     # grad_average_world defaults to dp * sp = 4
-    loss = sp.forward_loss(wrapped, shard, num_items, tile_tokens=tiled_loss_tokens)
+    loss = sp.forward_loss(wrapped, shard, num_items)
     loss.backward()
     return reported_loss(loss, WORLD, group=None)
 
@@ -96,9 +96,9 @@ def _ddp_case(mesh: SPMesh, ref_loss, ref_grads) -> None:
 def _ddp_tiled_case(mesh: SPMesh, ref_loss, ref_grads) -> None:
     """DDP with the tiled MLP and the tiled lm_head + loss (tiles that do not divide the shard)."""
     model = tiny_model("llama", seed=0)
-    with UlyssesSP(model, mesh, tiled_mlp_tokens=5) as sp:
+    with UlyssesSP(model, mesh, UlyssesSPConfig(sp_size=mesh.sp_size, tiled_mlp_tokens=5, tiled_loss_tokens=7)) as sp:
         ddp = DistributedDataParallel(model)
-        logged = sp_step(ddp, sp, mesh, tiled_loss_tokens=7)
+        logged = sp_step(ddp, sp, mesh)
     grads = {name: p.grad for name, p in ddp.module.named_parameters()}
     check(f"DDP tiled rank {dist.get_rank()}", logged, grads, ref_loss, ref_grads)
 

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tiny_models import tiny_batch, tiny_model
-from ulysses_sp import SPMesh
+from ulysses_sp import SPMesh, UlyssesSPConfig
 from dist_helper import spawn
 from ulysses_sp.integrations.transformers import UlyssesSP
 from ulysses_sp.loss import global_num_items, reported_loss
@@ -42,12 +42,13 @@ def sp_run(family, kind, mesh, checkpointing=False, tiled_mlp_tokens=None, tiled
     if checkpointing:
         model.gradient_checkpointing_enable()
         model.train()
-    with UlyssesSP(model, mesh, tiled_mlp_tokens=tiled_mlp_tokens) as sp:
+    config = UlyssesSPConfig(sp_size=mesh.sp_size, tiled_mlp_tokens=tiled_mlp_tokens, tiled_loss_tokens=tiled_loss_tokens)
+    with UlyssesSP(model, mesh, config) as sp:
         num_tiled = sum(type(m).__name__ == "TiledMLP" for m in model.modules())
         assert num_tiled == (model.config.num_hidden_layers if tiled_mlp_tokens else 0)
         shard = sp.shard(tiny_batch(kind))
         num_items = global_num_items(shard["shift_labels"], mesh.sp_group)
-        loss = sp.forward_loss(model, shard, num_items, tile_tokens=tiled_loss_tokens)
+        loss = sp.forward_loss(model, shard, num_items)
         loss.backward()
     assert model.config._attn_implementation == tiny_model(family).config._attn_implementation  # unregistered
     assert all(type(m).__name__ != "TiledMLP" for m in model.modules())  # tiled MLPs removed again
@@ -154,7 +155,7 @@ def test_unsupported_models_are_refused_at_registration():
         sp_size, dp_size, sp_rank, sp_group = 2, 1, 0, None
 
     with pytest.raises(ValueError, match="softcapping.*attn_implementation='eager'"):
-        UlyssesSP(tiny_model("gemma2"), FakeMesh(), attn_implementation="sdpa")
+        UlyssesSP(tiny_model("gemma2"), FakeMesh(), UlyssesSPConfig(sp_size=2, sp_attn_implementation="sdpa"))
     cfg = tf.Qwen3NextConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
                              num_key_value_heads=2, head_dim=8, linear_num_key_heads=2, linear_num_value_heads=2,
                              linear_key_head_dim=8, linear_value_head_dim=8, num_experts=2, num_experts_per_tok=1,

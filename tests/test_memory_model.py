@@ -1,4 +1,4 @@
-"""The memory model (ulysses_sp.memory.model) and ``ulysses-sp plan``.
+"""The memory model (ulysses_sp.memory.estimate) and ``ulysses-sp plan``.
 
 The model's accuracy against measured peaks is a benchmark (benchmarks/memory_ablation.py);
 these tests check its structure and the one coefficient that can be counted exactly and quickly:
@@ -10,7 +10,7 @@ import torch
 import transformers as tf
 
 from ulysses_sp.cli.main import main as cli_main
-from ulysses_sp.memory.model import MemoryFeatures, ModelDims, estimate_peak_memory, longest_sequence
+from ulysses_sp.memory.estimate import MemoryFeatures, ModelDims, estimate_peak_memory, longest_sequence
 
 LLAMA = dict(vocab_size=32000, hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
              num_key_value_heads=2)

@@ -103,9 +103,7 @@ def _sp_worker(rank, world):
     import torch.distributed as dist
 
     from tiny_models import tiny_batch
-    from ulysses_sp.comm.mesh import SPMesh
-    from ulysses_sp.integrations.transformers import UlyssesSP
-    from ulysses_sp.loss import global_num_items
+    from ulysses_sp import SPMesh, UlyssesSP, UlyssesSPConfig, global_num_items
 
     batch = tiny_batch("padding")
     ref = tiny_model("llama")
@@ -118,9 +116,10 @@ def _sp_worker(rank, world):
     model.activation_checkpointing_enable()
     model.train()
     originals = [layer._gradient_checkpointing_func for layer in model.model.layers]
-    with UlyssesSP(model, mesh, tiled_mlp_tokens=4, offload_activations=True) as sp:
+    config = UlyssesSPConfig(sp_size=world, tiled_mlp_tokens=4, tiled_loss_tokens=5, offload_activations=True)
+    with UlyssesSP(model, mesh, config) as sp:
         shard = sp.shard(batch)
-        loss = sp.forward_loss(model, shard, global_num_items(shard["shift_labels"], mesh.sp_group), tile_tokens=5)
+        loss = sp.forward_loss(model, shard, global_num_items(shard["shift_labels"], mesh.sp_group))
         loss.backward()
         assert sp.offload.stats.num_tensors == 2 and sp.offload.stats.num_restored == 2
     assert [layer._gradient_checkpointing_func for layer in model.model.layers] == originals  # unregistered

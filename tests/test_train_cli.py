@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from ulysses_sp.cli.main import main
-from ulysses_sp.train.data import LMCollator
-from ulysses_sp.train.tasks import CopyTask
+from ulysses_sp.cli.train.data import LMCollator
+from ulysses_sp.cli.train.tasks import CopyTask
 
 # tiny copy task: S=32 (15 copied tokens per row), 6 content tokens (chance 1/6)
 TASK = ["--seq-len", "32", "--task-vocab-size", "9", "--hidden-size", "64", "--num-heads", "4",
@@ -206,7 +206,7 @@ def test_failed_run_leaves_no_output_dir(tmp_path, capsys):
 def test_multi_node_options_reach_the_elastic_launcher(tmp_path):
     """Catches torchrun's rendezvous options being dropped or renamed on the way to the launcher:
     2 nodes x 2 processes with a static rendezvous on node rank 1."""
-    from ulysses_sp.train.launch import launch_config, plan
+    from ulysses_sp.cli.train.launch import launch_config, plan
 
     p = plan(["--sp-size", "4", "--nnodes", "2", "--node-rank", "1", "--rdzv-backend", "static",
               "--master-addr", "10.1.2.3", "--master-port", "29555", "--output-dir", str(tmp_path / "o")])
@@ -222,7 +222,7 @@ def test_prompt_completion_and_text_rows_tokenize_and_pack_like_trl(hf_dir, tmp_
     packed rows hold several documents with their lengths in seq_lengths."""
     from types import SimpleNamespace
 
-    from ulysses_sp.train.data import load_tokenizer, prepare_dataset
+    from ulysses_sp.cli.train.data import load_tokenizer, prepare_dataset
 
     tok = load_tokenizer(str(hf_dir))
     pc = tmp_path / "pc.jsonl"

@@ -1,13 +1,18 @@
-"""``UlyssesSPConfig``: the few configuration lines every entry point shares.
+"""``UlyssesSPConfig``: the one configuration object every entry point accepts.
 
     config = UlyssesSPConfig(sp_size=2, tiled_mlp_tokens=4096, tiled_loss_tokens=4096)
     config.validate(world_size=dist.get_world_size())     # before any model work
     mesh = config.build_mesh()                             # dp x sp DeviceMesh
+    sp = UlyssesSP(model, mesh, config)                    # or UlyssesTrainer(..., sp_config=config)
 
-Names follow Accelerate's parallelism config where users know them (``sp_size``,
+The object is frozen: an integration reads it, never rewrites it (``dataclasses.replace`` makes a
+changed copy). Names follow Accelerate's parallelism config where users know them (``sp_size``,
 ``sp_backend``, ``sp_seq_length_is_variable``, ``sp_attn_implementation``); the memory features
 are ours. :meth:`UlyssesSPConfig.from_dict` accepts a plain mapping (a YAML / JSON section) and
 names unknown keys instead of ignoring them.
+
+Also here, because every layer above shares them: the names of the sequence-parallel backends and
+core kernels, and ``IGNORE_INDEX`` (the label value the loss skips).
 """
 
 from __future__ import annotations
@@ -16,52 +21,78 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from ulysses_sp.attention.kernels import KERNELS
-from ulysses_sp.comm.mesh import SPMesh
+from ulysses_sp.comm.mesh import SPMesh, check_sp_size
 
-SP_BACKENDS = ("ulysses",)
+IGNORE_INDEX = -100
+"""Label value that contributes nothing to the loss (transformers' and PyTorch's convention)."""
+
+SP_BACKENDS = ("ulysses", "ring")
+"""Sequence-parallel attention algorithms: ``ulysses`` (head <-> sequence all-to-all around an
+unchanged kernel) and ``ring`` (k/v blocks passed around the SP group, log-sum-exp merge)."""
+
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
+"""Core kernels the ``ulysses`` backend runs on the full sequence (``ulysses_sp.attention.KERNELS``)."""
 
 
-@dataclasses.dataclass
+def _field(default: Any, help_text: str) -> Any:
+    """A config field whose one-line help the command line shows (``ulysses-sp train --help``)."""
+    return dataclasses.field(default=default, metadata={"help": help_text})
+
+
+def _positive_int(name: str, value: Any, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        what = "a positive number of tokens or None" if allow_none else "a positive integer"
+        raise ValueError(f"{name} must be {what}, got {value!r}.")
+
+
+@dataclasses.dataclass(frozen=True)
 class UlyssesSPConfig:
     """How to split sequences and which memory features to use.
 
     Attributes:
         sp_size: ranks that share one sequence (P); must divide the world size. 1 = no SP.
-        sp_backend: the sequence-parallel algorithm; ``"ulysses"`` (head <-> sequence all-to-all).
+        sp_backend: the sequence-parallel algorithm, one of ``SP_BACKENDS``: ``"ulysses"``
+            (head <-> sequence all-to-all, any core kernel) or ``"ring"`` (ring attention: any
+            head count, its own block kernels, no softcapping or dropout).
         sp_attn_implementation: core kernel run on the full sequence (``sdpa``, ``eager``,
             ``flex_attention``, ``flash_attention_2``, ``flash_attention_3``); None = the model's own.
         sp_seq_length_is_variable: batches may change length from step to step (always supported;
             kept for Accelerate compatibility: False only documents that they do not).
-        tiled_mlp_tokens: run dense MLPs in sequence tiles of this many tokens (None = untiled).
+        tiled_mlp_tokens: run dense and MoE MLPs in sequence tiles of this many tokens (None = untiled).
         tiled_loss_tokens: run lm_head + cross entropy in tiles of this many tokens, never
             materialising the ``(s, V)`` logits (None = untiled).
         offload_activations: move checkpointed hidden states to CPU memory between forward and
-            backward (needs gradient checkpointing).
+            backward (needs activation / gradient checkpointing).
+
+    Raises:
+        ValueError: at construction, for a value no entry point could honour.
     """
 
-    sp_size: int = 1
-    sp_backend: str = "ulysses"
-    sp_attn_implementation: str | None = None
-    sp_seq_length_is_variable: bool = True
-    tiled_mlp_tokens: int | None = None
-    tiled_loss_tokens: int | None = None
-    offload_activations: bool = False
+    sp_size: int = _field(1, "ranks sharing one sequence; 1 = no SP")
+    sp_backend: str = _field("ulysses", "sequence-parallel attention: ulysses (all-to-all) or ring")
+    sp_attn_implementation: str | None = _field(None, "core kernel under SP (sdpa, eager, flex_attention, "
+                                                "flash_attention_2/3); default: the model's own")
+    sp_seq_length_is_variable: bool = _field(True, "batches may change length (always supported)")
+    tiled_mlp_tokens: int | None = _field(None, "run MLPs in tiles of this many tokens")
+    tiled_loss_tokens: int | None = _field(None, "lm_head + loss in tiles of this many tokens (never the full logits)")
+    offload_activations: bool = _field(False, "keep the inputs of checkpointed layers in CPU memory (needs "
+                                       "activation checkpointing)")
 
     def __post_init__(self) -> None:
-        if isinstance(self.sp_size, bool) or not isinstance(self.sp_size, int) or self.sp_size < 1:
-            raise ValueError(f"sp_size must be a positive integer, got {self.sp_size!r}.")
+        _positive_int("sp_size", self.sp_size)
         if self.sp_backend not in SP_BACKENDS:
             raise ValueError(f"sp_backend {self.sp_backend!r} is not available; use one of {list(SP_BACKENDS)}.")
-        if self.sp_attn_implementation is not None and self.sp_attn_implementation not in KERNELS:
+        if self.sp_attn_implementation is not None and self.sp_attn_implementation not in ATTN_IMPLEMENTATIONS:
             raise ValueError(
                 f"sp_attn_implementation {self.sp_attn_implementation!r} cannot run under Ulysses SP; "
-                f"use one of {sorted(KERNELS)} or None for the model's own."
+                f"use one of {sorted(ATTN_IMPLEMENTATIONS)} or None for the model's own."
             )
-        for name in ("tiled_mlp_tokens", "tiled_loss_tokens"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be a positive number of tokens or None, got {value!r}.")
+        _positive_int("tiled_mlp_tokens", self.tiled_mlp_tokens, allow_none=True)
+        _positive_int("tiled_loss_tokens", self.tiled_loss_tokens, allow_none=True)
+        if not isinstance(self.offload_activations, bool):
+            raise ValueError(f"offload_activations must be True or False, got {self.offload_activations!r}.")
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> UlyssesSPConfig:
@@ -73,16 +104,16 @@ class UlyssesSPConfig:
         return cls(**dict(values))
 
     def to_dict(self) -> dict[str, Any]:
+        """The fields as a plain dict (``from_dict(to_dict())`` round-trips)."""
         return dataclasses.asdict(self)
+
+    def replace(self, **changes: Any) -> UlyssesSPConfig:
+        """A copy with ``changes`` applied (validated like a new object)."""
+        return dataclasses.replace(self, **changes)
 
     def validate(self, world_size: int) -> None:
         """Raise before training if ``sp_size`` cannot split ``world_size`` ranks."""
-        if world_size % self.sp_size != 0:
-            divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
-            raise ValueError(
-                f"sp_size={self.sp_size} does not divide the world size {world_size}; "
-                f"use one of {divisors} or launch a multiple of {self.sp_size} processes."
-            )
+        check_sp_size(self.sp_size, world_size)
 
     def build_mesh(self, device_type: str | None = None) -> SPMesh:
         """The ``dp x sp`` mesh over the initialised world (``SPMesh.from_world`` validates it)."""

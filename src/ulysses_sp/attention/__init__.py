@@ -1,8 +1,21 @@
-"""The Ulysses attention layer, the global mask and the core-kernel adapters."""
+"""Sequence-parallel attention: the global mask, the core kernels and the backends.
 
+    GlobalMask                     the mask of the global sequence, O(B*S), shared by all layers
+    build_attention(backend, group, kernel)
+                                   the backend of ``UlyssesSPConfig.sp_backend``:
+    UlyssesAttention(group, kernel)    all-to-all to heads around an unchanged kernel
+    RingAttention(group)               k/v blocks passed around the ring
+    KERNELS / get_kernel(name)     sdpa, eager, flex_attention, flash_attention_2/3 on the full sequence
+"""
+
+from ulysses_sp.attention.backends import build_attention
+from ulysses_sp.attention.contract import SPAttention, check_inputs_across_ranks
 from ulysses_sp.attention.kernels import KERNELS, get_kernel
 from ulysses_sp.attention.masks import GlobalMask, document_ids_from_position_ids
 from ulysses_sp.attention.ring import RingAttention
 from ulysses_sp.attention.ulysses import UlyssesAttention
 
-__all__ = ["KERNELS", "GlobalMask", "RingAttention", "UlyssesAttention", "document_ids_from_position_ids", "get_kernel"]
+__all__ = [
+    "KERNELS", "GlobalMask", "RingAttention", "SPAttention", "UlyssesAttention", "build_attention",
+    "check_inputs_across_ranks", "document_ids_from_position_ids", "get_kernel",
+]

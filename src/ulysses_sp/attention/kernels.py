@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from ulysses_sp.attention.masks import GlobalMask
+from ulysses_sp.config import ATTN_IMPLEMENTATIONS
 
 Kernel = Callable[..., torch.Tensor]
 
@@ -101,7 +102,7 @@ def flex_attention(q, k, v, mask: GlobalMask, *, scaling=None, sliding_window=No
         per_row = doc is not None or valid is not None
         return create_block_mask(mask_mod, B if per_row else None, None, S, S, device=q.device)
 
-    block_mask = mask._cached(("flex", str(q.device), sliding_window, B), build)
+    block_mask = mask.cached(("flex", str(q.device), sliding_window, B), build)
     score_mod = None
     if softcap is not None:
         def score_mod(score, b, h, qi, ki):
@@ -141,6 +142,9 @@ KERNELS: dict[str, tuple[Kernel, str | None]] = {
     "flash_attention_2": (_flash_varlen("flash_attn"), "flash_attn"),
     "flash_attention_3": (_flash_varlen("flash_attn_interface"), "flash_attn_interface"),
 }
+
+
+assert tuple(KERNELS) == ATTN_IMPLEMENTATIONS, "config.ATTN_IMPLEMENTATIONS lists the kernels of KERNELS"
 
 
 def get_kernel(name: str) -> Kernel:

@@ -20,9 +20,13 @@ previous one plus one (the convention of padding-free / packing collators).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 def document_ids_from_position_ids(position_ids_BS: torch.Tensor) -> torch.Tensor:
@@ -76,7 +80,8 @@ class GlobalMask:
         """True when the mask is just causal (kernels use their built-in causal path)."""
         return self.causal and self.document_ids is None and self.valid is None
 
-    def _cached(self, key: tuple, build):
+    def cached(self, key: tuple, build: Callable[[], T]) -> T:
+        """``build()`` once per ``key`` for this mask (kernels keep their mask forms here, per step)."""
         if key not in self._cache:
             self._cache[key] = build()
         return self._cache[key]
@@ -85,7 +90,7 @@ class GlobalMask:
         """``(B or 1, 1, S, S)`` bool, True = may attend; ``None`` when nothing is masked."""
         if not self.causal and self.document_ids is None and self.valid is None and sliding_window is None:
             return None
-        return self._cached(("dense", str(device), sliding_window), lambda: self._build_dense(device, sliding_window))
+        return self.cached(("dense", str(device), sliding_window), lambda: self._build_dense(device, sliding_window))
 
     def _build_dense(self, device: torch.device, window: int | None) -> torch.Tensor:
         return self.block(0, 0, self.seq_len, self.seq_len, device, window)[:, None]
@@ -116,7 +121,7 @@ class GlobalMask:
 
     def segments(self) -> list[list[tuple[int, int]]]:
         """Per row, the ``(start, end)`` runs of one document and one padding state."""
-        return self._cached(("segments",), self._build_segments)
+        return self.cached(("segments",), self._build_segments)
 
     def _build_segments(self) -> list[list[tuple[int, int]]]:
         keys = []
@@ -151,7 +156,7 @@ class GlobalMask:
             offsets = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
             return offsets.to(device), max(lengths)
 
-        return self._cached(("cu", batch_size, str(device)), build)
+        return self.cached(("cu", batch_size, str(device)), build)
 
     def _check_no_split_documents(self, rows: list[list[tuple[int, int]]]) -> None:
         if self.valid is None:

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from ulysses_sp.attention.contract import check_inputs_across_ranks
 from ulysses_sp.attention.masks import GlobalMask
 
 _NEG_INF = float("-inf")
@@ -243,7 +244,7 @@ class RingAttention:
         if mask.seq_len != S:
             raise ValueError(
                 f"the mask covers {mask.seq_len} tokens but {self.sp_size} shards of {s} make {S}; every rank "
-                "must hold S/P tokens (shard batches with ulysses_sp.data.shard_batch, which pads S)."
+                "must hold S/P tokens (shard batches with UlyssesSP.shard / ulysses_sp.shard_batch, which pads S)."
             )
         scale = scaling if scaling is not None else 1.0 / math.sqrt(q_BNsH.shape[-1])
         o = _RingAttention.apply(q_BNsH.contiguous(), k_BKsH.contiguous(), v_BKsH.contiguous(), mask, self.ring, scale,
@@ -259,17 +260,5 @@ class RingAttention:
             )
         if not (q.dtype == k.dtype == v.dtype):
             raise ValueError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}; cast them first.")
-        if self.sp_size > 1:
-            sig = torch.tensor([*q.shape, *k.shape, v.shape[3], q.element_size(), int(q.is_floating_point())])
-            if dist.get_backend(self.ring.group) == "nccl":
-                sig = sig.to(q.device)
-            table = [torch.empty_like(sig) for _ in range(self.sp_size)]
-            dist.all_gather(table, sig, group=self.ring.group)
-            rows = {tuple(t.tolist()) for t in table}
-            if len(rows) != 1:
-                raise ValueError(
-                    "ranks of the ring passed different attention inputs "
-                    f"(B, N, s, H, B, K, s, H, Hv, itemsize, float): "
-                    f"{sorted(rows)}; every rank must hold an equal slice of the same batch in one dtype."
-                )
+        check_inputs_across_ranks(q, k, v, self.ring.group)
         self._validated = True

@@ -14,19 +14,15 @@ Shape legend: see ``ulysses_sp.comm.layout``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from ulysses_sp.attention.contract import check_inputs_across_ranks
 from ulysses_sp.attention.kernels import Kernel, get_kernel
 from ulysses_sp.attention.masks import GlobalMask
 from ulysses_sp.comm.all_to_all import head_to_seq_out, seq_to_head_qkv
 from ulysses_sp.comm.layout import HeadPlan
-
-_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
-
 
 class UlyssesAttention:
     """Attention over a sequence sharded across the ranks of ``sp_group``.
@@ -82,7 +78,8 @@ class UlyssesAttention:
             ``(B, s, N, Hv)``: attention output for this rank's tokens, all heads.
         """
         if not self._validated:
-            self._validate_across_ranks(q_BNsH, k_BKsH, v_BKsH)
+            check_inputs_across_ranks(q_BNsH, k_BKsH, v_BKsH, self.sp_group)
+            self._validated = True
         B, N, s, _ = q_BNsH.shape
         plan = self.plan(N, k_BKsH.shape[1])
         S = s * self.sp_size
@@ -92,7 +89,7 @@ class UlyssesAttention:
             raise ValueError(
                 f"the mask covers {mask.seq_len} tokens but {self.sp_size} shards of {s} make {S}. "
                 f"Every rank must hold S/P tokens: pad the batch to a multiple of sp_size with "
-                "ulysses_sp's batch sharding (it pads and ignores the padded labels)."
+                "UlyssesSP.shard / ulysses_sp.shard_batch (it pads and ignores the padded labels)."
             )
         q, k, v = seq_to_head_qkv(q_BNsH, k_BKsH, v_BKsH, plan, self.sp_group)
         if plan.local_group_size(self.sp_rank) is None:
@@ -100,29 +97,3 @@ class UlyssesAttention:
             k, v = k.index_select(1, index), v.index_select(1, index)
         o_BSnH = self.kernel(q, k, v, mask, scaling=scaling, sliding_window=sliding_window, softcap=softcap, dropout=dropout)
         return head_to_seq_out(o_BSnH, plan, self.sp_group)
-
-    def _validate_across_ranks(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        codes = [_DTYPE_CODES.get(t.dtype, -1) for t in (q, k, v)]
-        sig = torch.tensor([*q.shape, *k.shape, v.shape[3], *codes], dtype=torch.long)
-        rows = [tuple(sig.tolist())]
-        if self.sp_size > 1:
-            device = q.device if dist.get_backend(self.sp_group) == "nccl" else torch.device("cpu")
-            sig = sig.to(device)
-            table = [torch.empty_like(sig) for _ in range(self.sp_size)]
-            dist.all_gather(table, sig, group=self.sp_group)
-            rows = [tuple(t.tolist()) for t in table]
-        if any(min(row[-3:]) < 0 or len(set(row[-3:])) != 1 for row in rows):
-            names = {code: str(dtype) for dtype, code in _DTYPE_CODES.items()}
-            raise ValueError(
-                "q, k and v must share one floating dtype on every rank, got "
-                f"{[[names.get(c, 'unsupported') for c in row[-3:]] for row in rows]} (per rank: q, k, v); "
-                "cast them, e.g. run the whole model under one dtype / autocast."
-            )
-        if len(set(rows)) != 1:
-            raise ValueError(
-                "ranks of the sequence-parallel group passed different attention inputs "
-                f"(B, N, s, H, B, K, s, H, Hv, dtypes) per rank: {rows}. Every rank must hold an equal "
-                "slice (S/P tokens) of the same batch in the same dtype; shard batches with "
-                "ulysses_sp.data.shard_batch (it pads S to a multiple of sp_size)."
-            )
-        self._validated = True

@@ -13,9 +13,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from ulysses_sp.attention import GlobalMask, UlyssesAttention
-from ulysses_sp.comm.launch import spawn
-from ulysses_sp.comm.mesh import SPMesh
+from ulysses_sp import CommCounter, GlobalMask, SPMesh, UlyssesAttention, spawn
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -55,18 +53,11 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> None:
     s = args.seq_len // world
     attn = UlyssesAttention(mesh.sp_group, args.kernel)
     _step(x[:, rank * s : (rank + 1) * s], w, mask, attn, args)  # warm-up and cross-rank shape check
-    calls: list[int] = []
-    original = dist.all_to_all_single
-
-    def counted(output, inp, out_sizes=None, in_sizes=None, group=None, async_op=False):
-        calls.append(sum(n for j, n in enumerate(in_sizes) if j != rank) * inp.element_size())
-        return original(output, inp, out_sizes, in_sizes, group=group, async_op=async_op)
-
-    dist.all_to_all_single = counted
-    t0 = time.perf_counter()
-    o, grads = _step(x[:, rank * s : (rank + 1) * s], w, mask, attn, args)
-    seconds = time.perf_counter() - t0
-    dist.all_to_all_single = original
+    with CommCounter() as counter:
+        t0 = time.perf_counter()
+        o, grads = _step(x[:, rank * s : (rank + 1) * s], w, mask, attn, args)
+        seconds = time.perf_counter() - t0
+    calls = [c.bytes_sent for c in counter.records]
     for g in grads[1:]:
         dist.all_reduce(g, group=mesh.sp_group)  # weight grads: sum of the shards' contributions
     outs = [torch.empty_like(o) for _ in range(world)]
@@ -98,7 +89,13 @@ def _report(args, x, w, mask, o, grads, calls, seconds) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Spawn ``--sp-size`` processes, compare with one process; the exit code (a ValueError: exit 2)."""
+    for flag, value in (("--sp-size", args.sp_size), ("--seq-len", args.seq_len), ("--num-heads", args.num_heads),
+                        ("--num-kv-heads", args.num_kv_heads), ("--head-dim", args.head_dim),
+                        ("--documents", args.documents)):
+        if value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}.")
     if args.seq_len % args.sp_size:
-        raise SystemExit(f"--seq-len {args.seq_len} must be a multiple of --sp-size {args.sp_size}.")
+        raise ValueError(f"--seq-len {args.seq_len} must be a multiple of --sp-size {args.sp_size}.")
     spawn(_worker, args.sp_size, args)
     return 0

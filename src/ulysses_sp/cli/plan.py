@@ -7,7 +7,7 @@ Prints, for each feature set of the ladder (checkpointing -> + tiled loss -> + t
 + offload), the predicted peak of one step (activations + grads), the static memory (weights,
 optimizer states), whether it fits, and the longest sequence that fits; then recommends the
 first (cheapest) feature set that fits. Predictions come from
-:func:`ulysses_sp.memory.model.estimate_peak_memory` (see ``docs/memory.md`` for its terms and
+:func:`ulysses_sp.estimate_peak_memory` (see ``docs/memory.md`` for its terms and
 its measured accuracy).
 """
 
@@ -63,7 +63,7 @@ def load_config(name: str) -> Any:
 
 
 def ladder(args: argparse.Namespace) -> list[tuple[str, Any]]:
-    from ulysses_sp.memory.model import MemoryFeatures
+    from ulysses_sp import MemoryFeatures
 
     base = dict(checkpointing=True, host_is_device=args.cpu)
     return [
@@ -75,7 +75,7 @@ def ladder(args: argparse.Namespace) -> list[tuple[str, Any]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ulysses_sp.memory.model import estimate_peak_memory, longest_sequence
+    from ulysses_sp import estimate_peak_memory, longest_sequence
 
     for name in ("seq_len", "sp_size", "batch_size", "state_shards", "loss_tile", "mlp_tile"):
         if getattr(args, name) < 1:

@@ -52,7 +52,6 @@ class _SeqToHeadQKV(torch.autograd.Function):
 class _HeadToSeqOut(torch.autograd.Function):
     @staticmethod
     def forward(ctx, o_BSnH, plan: HeadPlan, group: ProcessGroup):
-        rank = dist.get_rank(group)
         B, S, n, Hv = o_BSnH.shape
         s = S // plan.sp_size
         send, send_sizes = layout.pack_out(o_BSnH, plan)

@@ -43,15 +43,8 @@ class SPMesh:
                 "torch.distributed is not initialised: launch with torchrun / accelerate launch, or "
                 "call torch.distributed.init_process_group(...) before SPMesh.from_world()."
             )
-        if not isinstance(sp_size, int) or isinstance(sp_size, bool) or sp_size < 1:
-            raise ValueError(f"sp_size must be a positive integer, got {sp_size!r}.")
         world = dist.get_world_size()
-        if world % sp_size != 0:
-            raise ValueError(
-                f"world size {world} is not a multiple of sp_size {sp_size}: choose an sp_size that "
-                f"divides {world} (e.g. {_divisors(world)}) or launch {sp_size * max(1, world // sp_size)} "
-                "processes."
-            )
+        check_sp_size(sp_size, world)
         if device_type is None:
             device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
         mesh = init_device_mesh(device_type, (world // sp_size, sp_size), mesh_dim_names=("dp", "sp"))
@@ -85,5 +78,18 @@ class SPMesh:
         return torch.device(self.device_mesh.device_type)
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+def check_sp_size(sp_size: int, world_size: int) -> None:
+    """Raise ``ValueError`` unless ``sp_size`` is a positive integer dividing ``world_size``.
+
+    The one check of "sp_size divides the world" (the config, the mesh and every integration
+    call it), with one message naming both fixes.
+    """
+    if not isinstance(sp_size, int) or isinstance(sp_size, bool) or sp_size < 1:
+        raise ValueError(f"sp_size must be a positive integer, got {sp_size!r}.")
+    if world_size % sp_size != 0:
+        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        raise ValueError(
+            f"sp_size={sp_size} does not divide the world size {world_size} ({world_size} processes are not a "
+            f"multiple of sp_size {sp_size}); use an sp_size in {divisors} or launch a multiple of {sp_size} "
+            "processes (torchrun --nproc-per-node / accelerate launch --num_processes)."
+        )

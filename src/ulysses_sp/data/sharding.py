@@ -33,11 +33,15 @@ import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 
 from ulysses_sp.attention.masks import GlobalMask
+from ulysses_sp.comm.collectives import check_same_across_ranks
+from ulysses_sp.config import IGNORE_INDEX
 
 if TYPE_CHECKING:
     from ulysses_sp.comm.mesh import SPMesh
 
 _SEQ_KEYS = ("attention_mask", "labels", "position_ids")
+PACKED_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens", "seq_idx", "max_length_q", "max_length_k")
+"""Batch keys of packed-attention collators; their presence means the rows are packed documents."""
 
 
 class ShardedBatch(TypedDict):
@@ -64,7 +68,7 @@ def shard_batch(
     sp_size: int,
     *,
     pad_token_id: int = 0,
-    ignore_index: int = -100,
+    ignore_index: int = IGNORE_INDEX,
 ) -> ShardedBatch:
     """This rank's shard of a global causal-LM batch (flow in the module docstring).
 
@@ -167,20 +171,40 @@ def validate_same_batch(input_ids_BS: torch.Tensor, group: ProcessGroup | None) 
     B, S = input_ids_BS.shape
     flat = input_ids_BS.reshape(-1).long()
     weights = torch.arange(flat.numel(), device=flat.device) % 1_000_003 + 1
-    sig = torch.stack([torch.tensor(B), torch.tensor(S), (flat * weights).sum().cpu()])
-    if dist.get_backend(group) == "nccl":
-        sig = sig.to(torch.device("cuda", torch.cuda.current_device()))
-    table = [torch.empty_like(sig) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(table, sig, group=group)
-    rows = [tuple(t.tolist()) for t in table]
-    if len(set(rows)) > 1:
+    check_same_across_ranks([B, S, int((flat * weights).sum())], group, _different_batches)
+
+
+def _different_batches(rows: list[tuple[int, ...]]) -> str:
+    return (
+        "all ranks of an SP group must see the same batch, got (B, S, checksum) per rank "
+        f"{rows}. Split data over data-parallel replicas, not over the world: UlyssesTrainer / "
+        "UlyssesSFTTrainer / UlyssesAccelerate.prepare do this for their loaders; an eval or custom batch "
+        "must be the same on the ranks of a group (same length too); in a plain loop use UlyssesDataLoader "
+        "with a sampler built from dp_sampler_kwargs(mesh) (num_replicas=dp_size, rank=dp_rank)."
+    )
+
+
+def check_batch(batch: Mapping[str, Any], sp_group: ProcessGroup | None = None, *, packed: bool = False) -> None:
+    """The checks every path runs before :func:`shard_batch`, with one message per mistake.
+
+    1. A packed batch has ``position_ids``: ``packed=True`` (the caller knows the rows are packed,
+       e.g. a dataset with ``position_ids`` or ``padding_free``) or a packed-attention key such as
+       ``cu_seq_lens_q`` in the batch. Without positions, documents would attend to each other.
+    2. With ``sp_group`` (of more than one rank): every rank holds the same global batch
+       (:func:`validate_same_batch`, one tiny all-gather).
+    """
+    if not isinstance(batch, Mapping) or batch.get("input_ids") is None:
+        _validated(batch, 0, 1)  # raises with the input_ids message
+    found = [k for k in PACKED_KEYS if k in batch]
+    if (packed or found) and batch.get("position_ids") is None:
+        why = f"{found[0]} present" if found else "the dataset rows carry position_ids, or padding_free=True"
         raise ValueError(
-            "all ranks of an SP group must see the same batch, got (B, S, checksum) per rank "
-            f"{rows}. Split data over data-parallel replicas, not over the world: UlyssesTrainer / "
-            "UlyssesSFTTrainer / UlyssesAccelerate.prepare do this for their loaders; an eval or custom batch "
-            "must be the same on the ranks of a group (same length too); in a plain loop use UlyssesDataLoader "
-            "with a sampler built from dp_sampler_kwargs(mesh) (num_replicas=dp_size, rank=dp_rank)."
+            f"the batch is packed ({why}) but has no position_ids: the collated batch has none, so documents "
+            "would attend across their boundaries. Use a collator that keeps them, e.g. "
+            "DataCollatorWithFlattening(return_position_ids=True) or TRL's collator with padding_free=True."
         )
+    if sp_group is not None and dist.get_world_size(sp_group) > 1:
+        validate_same_batch(batch["input_ids"], sp_group)
 
 
 def dp_sampler_kwargs(mesh: SPMesh) -> dict[str, int]:
@@ -200,7 +224,8 @@ class UlyssesDataLoader:
             the same batches on all ranks of an SP group (see :func:`dp_sampler_kwargs`).
         sp_rank, sp_size: this rank's SP index and the SP size.
         sp_group: if given, every batch is checked with :func:`validate_same_batch` (one tiny
-            all-gather per step).
+            all-gather per step); packed batches without ``position_ids`` are refused either way
+            (:func:`check_batch`).
         **shard_kwargs: ``pad_token_id``, ``ignore_index`` for :func:`shard_batch`.
     """
 
@@ -226,6 +251,5 @@ class UlyssesDataLoader:
 
     def __iter__(self) -> Iterator[ShardedBatch]:
         for batch in self.dataloader:
-            if self.sp_group is not None:
-                validate_same_batch(batch["input_ids"], self.sp_group)
+            check_batch(batch, self.sp_group)
             yield shard_batch(batch, self.sp_rank, self.sp_size, **self.shard_kwargs)

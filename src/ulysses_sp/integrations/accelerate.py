@@ -39,14 +39,12 @@ from torch.utils.data import (
 )
 
 from ulysses_sp.config import UlyssesSPConfig
-from ulysses_sp.data import validate_same_batch
 from ulysses_sp.integrations.transformers import UlyssesSP
 from ulysses_sp.loss import global_num_items, reported_loss
 
 _SP_KEYS = ("sp_size", "sp_backend", "sp_seq_length", "sp_seq_length_is_variable", "sp_attn_implementation",
             "sp_allow_recurrent_layers", "sp_disable_in_eval")
 _OTHER_PARALLEL = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "cp_backend", "cp_comm_strategy")
-_PACKED_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens", "seq_idx", "max_length_q", "max_length_k")
 _DDP_TYPES = ("NO", "MULTI_CPU", "MULTI_GPU", "MULTI_NPU", "MULTI_XPU", "MULTI_MLU", "MULTI_MUSA", "MULTI_HPU")
 
 
@@ -202,7 +200,7 @@ class UlyssesAccelerateLoader:
         batches = iter(loader)
         first = True
         while group := list(itertools.islice(batches, self.accumulation_steps)):
-            shards = [self.ulysses._shard(batch, check_same=first) for batch in group]
+            shards = [self.ulysses.shard_batch(batch, check_same=first) for batch in group]
             first = False
             num_items = global_num_items([s["shift_labels"] for s in shards])
             for shard in shards:
@@ -272,9 +270,7 @@ class UlyssesAccelerate:
         """
         is_loader = [isinstance(o, DataLoader) for o in objects]
         loaders = [UlyssesAccelerateLoader(o, self, seed=seed) for o in objects if isinstance(o, DataLoader)]
-        cfg = self.config
-        self.sp = UlyssesSP(model, self.mesh, attn_implementation=cfg.sp_attn_implementation,
-                            tiled_mlp_tokens=cfg.tiled_mlp_tokens).register()
+        self.sp = UlyssesSP(model, self.mesh, self.config).register()
         others = [o for o, dl in zip(objects, is_loader) if not dl]
         prepared = self.accelerator.prepare(model, *others)
         rest, wrapped = iter(prepared if others else [prepared]), iter(loaders)
@@ -292,35 +288,24 @@ class UlyssesAccelerate:
         a batch whose length differs across SP ranks raises a ``ValueError`` on every rank instead of
         hanging in the all-to-all) and adds ``num_items_in_batch``, the batch's global valid tokens.
         """
-        shard = self._shard(batch, check_same=True)
+        shard = self.shard_batch(batch, check_same=True)
         shard["num_items_in_batch"] = global_num_items(shard["shift_labels"])
         return shard
 
-    def _shard(self, batch: Mapping[str, Any], check_same: bool) -> dict[str, Any]:
-        """``UlyssesSP.shard`` on the accelerator's device, after the batch checks."""
+    def shard_batch(self, batch: Mapping[str, Any], check_same: bool = True) -> dict[str, Any]:
+        """``UlyssesSP.shard`` of ``batch`` moved to the accelerator's device (no token count added)."""
         if self.sp is None:
             raise ValueError("call sp.prepare(model, ...) before sharding batches.")
-        packed = [k for k in _PACKED_KEYS if k in batch]
-        if packed and batch.get("position_ids") is None:
-            raise ValueError(
-                f"the batch is packed ({packed[0]} present) but has no position_ids, so documents would attend "
-                "across their boundaries; make the collator return them, e.g. "
-                "DataCollatorWithFlattening(return_position_ids=True)."
-            )
         device = self.accelerator.device
         batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-        if check_same and self.mesh.sp_size > 1:
-            validate_same_batch(batch["input_ids"], self.mesh.sp_group)
-        return dict(self.sp.shard(batch))
+        return dict(self.sp.shard(batch, check_same=check_same))
 
     def loss_for(self, model: torch.nn.Module, shard: Mapping[str, Any]) -> torch.Tensor:
         """Forward the prepared ``model`` on a shard and return this rank's loss for
         ``accelerator.backward`` (tiled lm_head + CE when ``config.tiled_loss_tokens`` is set)."""
         if self.sp is None or "num_items_in_batch" not in shard:
             raise ValueError("loss_for needs a shard from a loader returned by sp.prepare(...) or sp.shard(batch).")
-        tiles = self.config.tiled_loss_tokens
-        return self.sp.forward_loss(model, shard, shard["num_items_in_batch"], tile_tokens=tiles,
-                                    grad_average_world=self.grad_average_world)
+        return self.sp.forward_loss(model, shard, shard["num_items_in_batch"], grad_average_world=self.grad_average_world)
 
     def reported_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """This micro-batch's part of the optimizer step's global token-mean loss (same on all ranks);

@@ -34,10 +34,10 @@ from transformers import Trainer
 
 from ulysses_sp.comm.mesh import SPMesh
 from ulysses_sp.config import UlyssesSPConfig
-from ulysses_sp.data import ShardedBatch, validate_same_batch
+from ulysses_sp.data import ShardedBatch
 from ulysses_sp.integrations.transformers import UlyssesSP
 from ulysses_sp.loss import global_num_items, reported_loss
-from ulysses_sp.memory.offload import ActivationOffload
+from ulysses_sp.memory import ActivationOffload
 
 _GLOBAL_KEY = "ulysses_global_batch"  # the global batch's token tensors, for token counting only
 
@@ -73,12 +73,12 @@ class UlyssesTrainerMixin:
         _ensure_process_group(self.args.world_size)
         self.sp_config.validate(self.args.world_size)
         self.sp_mesh: SPMesh = self.sp_config.build_mesh()
-        self.ulysses: UlyssesSP = UlyssesSP(
-            self.model, self.sp_mesh, attn_implementation=self.sp_config.sp_attn_implementation,
-            tiled_mlp_tokens=self.sp_config.tiled_mlp_tokens,
-        ).register()
         # Trainer (re)enables gradient checkpointing in train(), replacing the layers' checkpoint
-        # functions: the offload wrappers are (re)installed at each training forward instead.
+        # functions: the offload wrappers are (re)installed at each training forward instead of
+        # once at UlyssesSP.register(), so UlyssesSP gets the config without offload.
+        self.ulysses: UlyssesSP = UlyssesSP(
+            self.model, self.sp_mesh, self.sp_config.replace(offload_activations=False)
+        ).register()
         self.activation_offload = ActivationOffload(self.model) if self.sp_config.offload_activations else None
         self.model_accepts_loss_kwargs = True
         packed_rows = any(_dataset_has_column(self.train_dataset, c) for c in ("position_ids", "seq_lengths"))
@@ -143,19 +143,16 @@ class UlyssesTrainerMixin:
         return loader
 
     def _shard(self, batch: Mapping[str, Any]) -> ShardedBatch:
-        """Check a collated global ``(B, S)`` batch and cut this rank's ``(B, s)`` shard."""
-        if self._expects_position_ids and batch.get("position_ids") is None:
-            raise ValueError(
-                "the dataset rows carry position_ids (packed documents) or padding_free=True, but the collated batch "
-                "has none: without them documents would attend to each other. Use a collator that keeps position_ids "
-                "(e.g. DataCollatorWithFlattening, or TRL's collator with padding_free=True)."
-            )
-        if self.sp_mesh.sp_size > 1:
-            validate_same_batch(batch["input_ids"], self.sp_mesh.sp_group)
-        shard = self.ulysses.shard(batch)
+        """Check a collated global ``(B, S)`` batch and cut this rank's ``(B, s)`` shard (``UlyssesSP.shard``)."""
+        shard = self.ulysses.shard(batch, packed=self._expects_position_ids)
         global_tokens = {k: batch[k] for k in ("input_ids", "attention_mask") if k in batch}
         shard[_GLOBAL_KEY] = global_tokens  # type: ignore[literal-required]
         return shard
+
+    @staticmethod
+    def global_batch(inputs: Mapping[str, Any]) -> Mapping[str, torch.Tensor]:
+        """The GLOBAL ``input_ids`` / ``attention_mask`` of the batch a shard came from (token counting)."""
+        return inputs.get(_GLOBAL_KEY, inputs)
 
     def get_batch_samples(
         self, epoch_iterator: Iterator[Any], num_batches: int, device: torch.device
@@ -176,7 +173,7 @@ class UlyssesTrainerMixin:
     def _track_num_input_tokens(self, inputs: Mapping[str, Any]) -> None:
         """Count the GLOBAL batch once per SP group (the Trainer gathers over all ranks)."""
         before = self.state.num_input_tokens_seen
-        super()._track_num_input_tokens(inputs.get(_GLOBAL_KEY, inputs))  # type: ignore[misc]
+        super()._track_num_input_tokens(self.global_batch(inputs))  # type: ignore[misc]
         self.state.num_input_tokens_seen = before + (self.state.num_input_tokens_seen - before) // self.sp_mesh.sp_size
 
     def get_total_train_batch_size(self, args: Any) -> int:
@@ -208,9 +205,7 @@ class UlyssesTrainerMixin:
         self, model: torch.nn.Module, shard: Mapping[str, Any], num_items: torch.Tensor | int, grad_average_world: int
     ) -> torch.Tensor:
         """``CE_sum(my tokens) / num_items * grad_average_world`` (subclasses add metrics here)."""
-        return self.ulysses.forward_loss(
-            model, shard, num_items, tile_tokens=self.sp_config.tiled_loss_tokens, grad_average_world=grad_average_world
-        )
+        return self.ulysses.forward_loss(model, shard, num_items, grad_average_world=grad_average_world)
 
     def prediction_step(
         self, model: torch.nn.Module, inputs: Mapping[str, Any], prediction_loss_only: bool,

@@ -1,11 +1,15 @@
 """Make a Transformers model sequence-parallel through the public ``AttentionInterface``.
 
-    sp = UlyssesSP(model, mesh)          # validates the model, picks its core kernel
+    sp = UlyssesSP(model, mesh, config)  # validates the model, picks backend and core kernel
     with sp:                             # register(): our key in AttentionInterface, model uses it
         batch = sp.shard(global_batch)   # input_ids/position_ids/shift_labels of my shard + global mask
         logits = model(**sp.model_inputs(batch)).logits          # (B, s, V)
         loss = sp.loss(logits, batch, num_items_in_batch)        # my share of the global token mean
+        # or: loss = sp.forward_loss(model, batch, num_items_in_batch)  (tiled when the config says so)
                                          # unregister(): model back to its own kernel
+
+``config`` (a :class:`~ulysses_sp.config.UlyssesSPConfig`) chooses the backend (``ulysses`` or
+``ring``), the core kernel and the memory features; ``UlyssesSP(model, mesh)`` uses the defaults.
 
 Nothing of the model is edited and no private transformers function is patched: the model's
 attention layers call ``ALL_ATTENTION_FUNCTIONS[config._attn_implementation]``, which now is our
@@ -17,18 +21,24 @@ key; the global mask travels as the ``ulysses_mask`` keyword that transformers f
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from transformers import AttentionInterface, PreTrainedModel
 
-from ulysses_sp.attention import GlobalMask, UlyssesAttention
-from ulysses_sp.attention.kernels import KERNELS
+from ulysses_sp.attention import KERNELS, GlobalMask, SPAttention, build_attention
 from ulysses_sp.comm.mesh import SPMesh
-from ulysses_sp.data import ShardedBatch, shard_batch
+from ulysses_sp.config import IGNORE_INDEX, UlyssesSPConfig
+from ulysses_sp.data import ShardedBatch, check_batch, shard_batch
+from ulysses_sp.integrations.hf_internals import (
+    current_attn_implementation, dispatches_attention, unregister_attention_function,
+)
 from ulysses_sp.loss import sp_token_loss, tiled_token_loss
 from ulysses_sp.memory import ActivationOffload, apply_tiled_mlp, remove_tiled_mlp
+
+AttentionFunction = Callable[..., tuple[torch.Tensor, Any]]
+"""transformers' attention-function contract: ``fn(module, q, k, v, attention_mask, **kw) -> (o, weights)``."""
 
 _KEY_PREFIX = "ulysses_sp"
 _counter = itertools.count()
@@ -53,13 +63,13 @@ def _base_model(model: torch.nn.Module) -> PreTrainedModel:
     )
 
 
-def unsupported_reasons(model: PreTrainedModel, sp_size: int, kernel: str) -> list[str]:
-    """Why ``model`` cannot run under Ulysses SP with ``kernel`` (empty list: it can)."""
+def unsupported_reasons(model: PreTrainedModel, sp_size: int, kernel: str, backend: str = "ulysses") -> list[str]:
+    """Why ``model`` cannot run under sequence parallelism with ``kernel`` / ``backend`` (empty: it can)."""
     config = model.config.get_text_config()
     reasons = []
     if getattr(model.config, "is_encoder_decoder", False):
         reasons.append("encoder-decoder models are not supported; Ulysses SP here shards decoder-only causal LMs")
-    if not model._can_set_attn_implementation():
+    if not dispatches_attention(model):
         reasons.append(
             f"{type(model).__name__} does not dispatch attention through transformers' AttentionInterface, so its "
             "attention cannot be wrapped"
@@ -68,8 +78,9 @@ def unsupported_reasons(model: PreTrainedModel, sp_size: int, kernel: str) -> li
     K = getattr(config, "num_key_value_heads", None) or N
     if N is None:
         reasons.append("the config has no num_attention_heads")
-    elif sp_size > N:
-        reasons.append(f"sp_size {sp_size} > num_attention_heads {N}: use sp_size <= {N} and data parallelism for the rest")
+    elif sp_size > N and backend == "ulysses":
+        reasons.append(f"sp_size {sp_size} > num_attention_heads {N}: use sp_size <= {N} and data parallelism for the rest, "
+                       "or sp_backend='ring' (any head count)")
     elif N % K:
         reasons.append(f"num_attention_heads {N} is not a multiple of num_key_value_heads {K}")
     layer_types = set(getattr(config, "layer_types", None) or [])
@@ -87,7 +98,10 @@ def unsupported_reasons(model: PreTrainedModel, sp_size: int, kernel: str) -> li
         reasons.append("ALiBi position bias is not passed to attention functions and cannot be sharded")
     if any(getattr(m, "sinks", None) is not None for m in model.modules()):
         reasons.append("attention sinks (learned per-head logits) are not supported by the Ulysses kernels")
-    if kernel == "sdpa" and getattr(config, "attn_logit_softcapping", None):
+    if backend == "ring" and getattr(config, "attn_logit_softcapping", None):
+        reasons.append("the model uses attention logit softcapping, which the ring backend cannot apply: "
+                       "use sp_backend='ulysses' with attn_implementation='eager' (or flash / flex on GPU)")
+    elif kernel == "sdpa" and getattr(config, "attn_logit_softcapping", None):
         reasons.append(
             "the model uses attention logit softcapping, which SDPA cannot apply: load it with "
             "attn_implementation='eager' (or flash_attention_2 / flex_attention on GPU)"
@@ -95,64 +109,98 @@ def unsupported_reasons(model: PreTrainedModel, sp_size: int, kernel: str) -> li
     return reasons
 
 
+def check_model_support(model: torch.nn.Module, config: UlyssesSPConfig) -> str:
+    """The core kernel ``model`` will run under ``config``, or ``ValueError`` naming every reason it cannot.
+
+    Needs no process group: the CLI and scripts validate a model before launching anything.
+    ``model`` may be wrapped (PEFT / DDP / FSDP / DeepSpeed).
+    """
+    base = _base_model(model)
+    current = current_attn_implementation(base)
+    if config.sp_attn_implementation is None and current is not None and current.startswith(_KEY_PREFIX):
+        raise ValueError("this model is already registered with another UlyssesSP; unregister that one first.")
+    kernel = config.sp_attn_implementation or current or "sdpa"
+    if kernel not in KERNELS:
+        raise ValueError(f"attention implementation {kernel!r} cannot run under Ulysses SP; use one of {sorted(KERNELS)}.")
+    reasons = unsupported_reasons(base, config.sp_size, kernel, config.sp_backend)
+    if reasons:
+        raise ValueError(f"{type(base).__name__} cannot be made sequence-parallel: " + "; ".join(reasons) + ".")
+    return kernel
+
+
 class UlyssesSP:
     """Sequence parallelism for one Transformers model, scoped to that model.
 
     Args:
         model: a causal LM (``PreTrainedModel``, optionally wrapped by PEFT / DDP / FSDP / DeepSpeed).
-        mesh: the ``dp x sp`` mesh (``SPMesh.from_world(sp_size)``).
-        attn_implementation: the core kernel to run on the full sequence; default: the model's own
-            (``sdpa``, ``eager``, ``flex_attention``, ``flash_attention_2`` or ``flash_attention_3``).
-        tiled_mlp_tokens: if set, while registered every dense MLP runs in sequence tiles of this
-            many tokens, recomputed in backward (``ulysses_sp.memory.apply_tiled_mlp``); MoE blocks
-            are tiled as whole blocks (router logits stay right). ``state_dict`` keys do not change.
-        offload_activations: if True, while registered the inputs of checkpointed layers live in
-            CPU memory between forward and backward (``ulysses_sp.memory.ActivationOffload``);
-            needs ``model.activation_checkpointing_enable()`` first.
+        mesh: the ``dp x sp`` mesh (``SPMesh.from_world(sp_size)`` or ``config.build_mesh()``).
+        config: what to run (default ``UlyssesSPConfig(sp_size=mesh.sp_size)``); its ``sp_size``
+            must be the mesh's. Used fields:
+
+            - ``sp_backend``: ``"ulysses"`` (all-to-all) or ``"ring"`` (``ulysses_sp.attention``);
+            - ``sp_attn_implementation``: the core kernel on the full sequence; None = the model's own
+              (``sdpa``, ``eager``, ``flex_attention``, ``flash_attention_2`` or ``flash_attention_3``);
+            - ``tiled_mlp_tokens``: while registered, every dense MLP / MoE block runs in sequence tiles
+              of this many tokens, recomputed in backward; ``state_dict`` keys do not change;
+            - ``tiled_loss_tokens``: :meth:`forward_loss` computes lm_head + CE in tiles;
+            - ``offload_activations``: while registered, the inputs of checkpointed layers live in CPU
+              memory between forward and backward (needs ``model.activation_checkpointing_enable()``).
 
     Raises:
         ValueError: at construction, naming every reason the model cannot be made sequence-parallel.
     """
 
-    def __init__(
-        self, model: torch.nn.Module, mesh: SPMesh, attn_implementation: str | None = None,
-        tiled_mlp_tokens: int | None = None, offload_activations: bool = False,
-    ) -> None:
-        if tiled_mlp_tokens is not None and (isinstance(tiled_mlp_tokens, bool) or tiled_mlp_tokens < 1):
-            raise ValueError(f"tiled_mlp_tokens must be a positive number of tokens or None, got {tiled_mlp_tokens!r}.")
-        self.tiled_mlp_tokens = tiled_mlp_tokens
-        self.offload = ActivationOffload(model) if offload_activations else None
+    def __init__(self, model: torch.nn.Module, mesh: SPMesh, config: UlyssesSPConfig | None = None) -> None:
+        config = config if config is not None else UlyssesSPConfig(sp_size=mesh.sp_size)
+        if not isinstance(config, UlyssesSPConfig):
+            raise ValueError(f"config must be a UlyssesSPConfig, got {type(config).__name__}.")
+        if config.sp_size != mesh.sp_size:
+            raise ValueError(
+                f"the config says sp_size={config.sp_size} but the mesh has sp_size={mesh.sp_size}; build the mesh "
+                "from the config (config.build_mesh()) or pass UlyssesSPConfig(sp_size=mesh.sp_size, ...)."
+            )
+        self.config = config
         self.model = model
         self.base = _base_model(model)
         self.mesh = mesh
-        current = self.base.config._attn_implementation
-        if attn_implementation is None and current is not None and current.startswith(_KEY_PREFIX):
-            raise ValueError("this model is already registered with another UlyssesSP; unregister that one first.")
-        kernel = attn_implementation or current or "sdpa"
-        if kernel not in KERNELS:
-            raise ValueError(f"attention implementation {kernel!r} cannot run under Ulysses SP; use one of {sorted(KERNELS)}.")
-        reasons = unsupported_reasons(self.base, mesh.sp_size, kernel)
-        if reasons:
-            raise ValueError(f"{type(self.base).__name__} cannot be made sequence-parallel: " + "; ".join(reasons) + ".")
-        self.kernel = kernel
-        self.attention = UlyssesAttention(mesh.sp_group if mesh.sp_size > 1 else None, kernel)
-        self.key = f"{_KEY_PREFIX}_{next(_counter)}_{kernel}"
+        self.kernel = check_model_support(self.base, config)
+        self.offload = ActivationOffload(model) if config.offload_activations else None
+        self.attention: SPAttention = build_attention(
+            config.sp_backend, mesh.sp_group if mesh.sp_size > 1 else None, self.kernel
+        )
+        self.key = f"{_KEY_PREFIX}_{next(_counter)}_{config.sp_backend}_{self.kernel}"
+        self._wrappers: list[Callable[[AttentionFunction], AttentionFunction]] = []
         self._saved: tuple[str, bool] | None = None
 
     # registration -------------------------------------------------------------------------
+    def wrap_attention(self, wrapper: Callable[[AttentionFunction], AttentionFunction]) -> UlyssesSP:
+        """Have ``wrapper(fn)`` registered with transformers instead of our attention function ``fn``.
+
+        The public hook for instrumentation around every attention call, forward and backward
+        (e.g. ``sp.wrap_attention(counter.scoped)`` with a :class:`~ulysses_sp.comm.CommCounter`).
+        Call before :meth:`register`; wrappers apply in the order given (the last is outermost).
+        """
+        if self._saved is not None:
+            raise ValueError("wrap_attention must be called before register(); unregister() first.")
+        self._wrappers.append(wrapper)
+        return self
+
     def register(self) -> UlyssesSP:
-        """Route the model's attention through Ulysses (idempotent). Sets ``use_cache=False``."""
+        """Route the model's attention through SP (idempotent). Sets ``use_cache=False``."""
         if self._saved is not None:
             return self
         if self.offload is not None:  # first: raises (no checkpointing) before anything is changed
             self.offload.register()
-        AttentionInterface.register(self.key, self._attention_forward)
+        function: AttentionFunction = self._attention_forward
+        for wrapper in self._wrappers:
+            function = wrapper(function)
+        AttentionInterface.register(self.key, function)
         config = self.base.config
-        self._saved = (config._attn_implementation, config.use_cache)
+        self._saved = (current_attn_implementation(self.base), config.use_cache)
         self.base.set_attn_implementation(self.key)
         config.use_cache = False
-        if self.tiled_mlp_tokens is not None:
-            apply_tiled_mlp(self.base, self.tiled_mlp_tokens)
+        if self.config.tiled_mlp_tokens is not None:
+            apply_tiled_mlp(self.base, self.config.tiled_mlp_tokens)
         return self
 
     def unregister(self) -> None:
@@ -160,13 +208,13 @@ class UlyssesSP:
         if self._saved is None:
             return
         implementation, use_cache = self._saved
-        if self.tiled_mlp_tokens is not None:
+        if self.config.tiled_mlp_tokens is not None:
             remove_tiled_mlp(self.base)
         if self.offload is not None:
             self.offload.unregister()
         self.base.set_attn_implementation(implementation)
         self.base.config.use_cache = use_cache
-        AttentionInterface._global_mapping.pop(self.key, None)
+        unregister_attention_function(self.key)
         self._saved = None
 
     def __enter__(self) -> UlyssesSP:
@@ -214,8 +262,18 @@ class UlyssesSP:
         return out, None
 
     # batches and loss ---------------------------------------------------------------------
-    def shard(self, batch: Mapping[str, Any], ignore_index: int = -100) -> ShardedBatch:
-        """This rank's shard of a global batch (see ``ulysses_sp.data.shard_batch``)."""
+    def shard(
+        self, batch: Mapping[str, Any], *, check_same: bool = True, packed: bool = False,
+        ignore_index: int = IGNORE_INDEX,
+    ) -> ShardedBatch:
+        """This rank's shard of a global batch: the one check-then-shard path of every integration.
+
+        1. :func:`ulysses_sp.data.check_batch`: a packed batch (``packed=True`` or packed-attention
+           keys) must carry ``position_ids``; with ``check_same`` and ``sp_size > 1``, every rank of
+           the SP group must hold the same batch (one tiny all-gather).
+        2. :func:`ulysses_sp.data.shard_batch` (pad S to a multiple of P, shift labels, global mask).
+        """
+        check_batch(batch, self.mesh.sp_group if check_same and self.mesh.sp_size > 1 else None, packed=packed)
         pad = getattr(self.base.config.get_text_config(), "pad_token_id", None)
         return shard_batch(batch, self.mesh.sp_rank, self.mesh.sp_size, pad_token_id=pad or 0, ignore_index=ignore_index)
 
@@ -238,15 +296,16 @@ class UlyssesSP:
 
     def forward_loss(
         self, model: torch.nn.Module, batch: Mapping[str, Any], num_items_in_batch: int | torch.Tensor, *,
-        tile_tokens: int | None = None, grad_average_world: int | None = None,
+        grad_average_world: int | None = None,
     ) -> torch.Tensor:
         """Forward ``model`` (or its DDP wrapper) on a sharded batch and return :meth:`loss`.
 
-        With ``tile_tokens``, lm_head and cross entropy run in token tiles (``tiled_token_loss``):
+        With ``config.tiled_loss_tokens``, lm_head and cross entropy run in token tiles (``tiled_token_loss``):
         the model is called with ``logits_to_keep=1`` (logits of one token only), the decoder's
         final hidden states ``(B, s, D)`` are taken from a forward hook, and the ``(B, s, V)``
         logits never exist. Final logit softcapping (Gemma2) and an lm_head bias are applied.
         """
+        tile_tokens = self.config.tiled_loss_tokens
         if tile_tokens is None:
             return self.loss(model(**self.model_inputs(batch)).logits, batch, num_items_in_batch, grad_average_world)
         captured: list[torch.Tensor] = []
@@ -262,8 +321,8 @@ class UlyssesSP:
         head = self.base.get_output_embeddings()
         if head.weight.numel() == 0 or type(head.weight).__name__ == "DTensor":
             raise ValueError(
-                "tile_tokens needs the full lm_head weight outside the model's forward, but it is sharded "
-                "(FSDP2 / ZeRO-3); use forward_loss(..., tile_tokens=None) with those, or DDP / ZeRO-1/2."
+                "tiled_loss_tokens needs the full lm_head weight outside the model's forward, but it is sharded "
+                "(FSDP2 / ZeRO-3); set UlyssesSPConfig(tiled_loss_tokens=None) with those, or use DDP / ZeRO-1/2."
             )
         world = grad_average_world if grad_average_world is not None else self.mesh.dp_size * self.mesh.sp_size
         softcap = getattr(self.base.config.get_text_config(), "final_logit_softcapping", None)

@@ -28,10 +28,10 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from trl import SFTTrainer
 
-from ulysses_sp.integrations.trainer import _GLOBAL_KEY, UlyssesTrainerMixin
+from ulysses_sp.comm.collectives import all_reduce_sum
+from ulysses_sp.integrations.trainer import UlyssesTrainerMixin
 from ulysses_sp.integrations.transformers import UlyssesSP
 
 
@@ -62,8 +62,7 @@ class UlyssesSFTTrainer(UlyssesTrainerMixin, SFTTrainer):
         count = torch.as_tensor(num_items, device=per_token.device, dtype=torch.float32).clamp(min=1)
         loss = per_token.sum() / count * grad_average_world
         sums = torch.stack([out.label_mask.sum(), out.entropy.detach().sum(), out.is_top1.sum()]).float()
-        dist.all_reduce(sums)
-        num_valid, entropy, correct = sums.tolist()
+        num_valid, entropy, correct = all_reduce_sum(sums).tolist()
         self._metrics[mode]["entropy"].append(entropy / num_valid if num_valid > 0 else 0.0)
         self._metrics[mode]["mean_token_accuracy"].append(correct / num_valid if num_valid > 0 else 0.0)
         return loss
@@ -71,7 +70,7 @@ class UlyssesSFTTrainer(UlyssesTrainerMixin, SFTTrainer):
     def _track_num_input_tokens(self, inputs: Mapping[str, Any]) -> None:
         """Also TRL's ``num_tokens``: non-padding tokens of the GLOBAL batch (padding-free: its length)."""
         super()._track_num_input_tokens(inputs)
-        batch = inputs[_GLOBAL_KEY]
+        batch = self.global_batch(inputs)
         mask = batch.get("attention_mask")
         ids = batch["input_ids"]
         local = mask.sum() if mask is not None else torch.tensor(ids.numel(), device=ids.device)

@@ -32,9 +32,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed import ProcessGroup
+
+from ulysses_sp.comm.collectives import all_reduce_sum
+from ulysses_sp.config import IGNORE_INDEX
 
 
 def sp_token_loss(
@@ -43,7 +45,7 @@ def sp_token_loss(
     num_items_in_batch: int | torch.Tensor,
     *,
     grad_average_world: int,
-    ignore_index: int = -100,
+    ignore_index: int = IGNORE_INDEX,
 ) -> torch.Tensor:
     """This rank's share of the global token-mean CE: ``local_sum / num_items_in_batch * grad_average_world``.
 
@@ -86,7 +88,7 @@ def sp_token_loss(
 def global_num_items(
     shift_labels_Bs: torch.Tensor | Sequence[torch.Tensor],
     group: ProcessGroup | None = None,
-    ignore_index: int = -100,
+    ignore_index: int = IGNORE_INDEX,
 ) -> torch.Tensor:
     """N: valid tokens of the given local label shards, summed over ``group`` (one all-reduce).
 
@@ -98,16 +100,13 @@ def global_num_items(
         ignore_index: label value that is not counted.
 
     Returns:
-        A 0-d int64 tensor (on the labels' device; CUDA for an NCCL group).
+        A 0-d int64 tensor on ``collective_device(group)`` (CUDA for an NCCL group, else CPU).
     """
     shards = [shift_labels_Bs] if isinstance(shift_labels_Bs, torch.Tensor) else list(shift_labels_Bs)
     if not shards:
         raise ValueError("global_num_items needs at least one shift_labels tensor.")
     count = sum((t != ignore_index).sum() for t in shards).to(torch.int64)
-    if dist.get_backend(group) == "nccl":
-        count = count.to(torch.device("cuda", torch.cuda.current_device()))
-    dist.all_reduce(count, op=dist.ReduceOp.SUM, group=group)
-    return count
+    return all_reduce_sum(count, group)
 
 
 def reported_loss(loss: torch.Tensor, grad_average_world: int, group: ProcessGroup | None = None) -> torch.Tensor:
@@ -117,8 +116,4 @@ def reported_loss(loss: torch.Tensor, grad_average_world: int, group: ProcessGro
     the mean over the whole step's tokens; with gradient accumulation (N counts every micro-step)
     the values of one step's micro-steps add up to the step's mean. Same value on every rank.
     """
-    value = loss.detach().float() / grad_average_world
-    if dist.get_backend(group) == "nccl":
-        value = value.to(torch.device("cuda", torch.cuda.current_device()))
-    dist.all_reduce(value, op=dist.ReduceOp.SUM, group=group)
-    return value
+    return all_reduce_sum(loss.detach().float() / grad_average_world, group)

@@ -27,6 +27,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ulysses_sp.config import IGNORE_INDEX
+
 
 def tiled_token_loss(
     hidden_BsD: torch.Tensor,
@@ -36,7 +38,7 @@ def tiled_token_loss(
     *,
     grad_average_world: int,
     tile_tokens: int = 4096,
-    ignore_index: int = -100,
+    ignore_index: int = IGNORE_INDEX,
     lm_head_bias: torch.Tensor | None = None,
     final_logit_softcapping: float | None = None,
 ) -> torch.Tensor:

@@ -44,64 +44,86 @@ class TiledTokensFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, fn: Callable, x: torch.Tensor, tile: int, dim: int, *params: torch.Tensor):
-        ctx.fn, ctx.tile, ctx.dim = fn, tile, dim
-        ctx.set_materialize_grads(False)
-        device_type = x.device.type
-        ctx.autocast = (device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
-        ctx.save_for_backward(x, *params)
-        with torch.no_grad():
-            tiles = [fn(x_tile) for x_tile in x.split(tile, dim=dim)]
-        return tuple(torch.cat(parts, dim=dim) for parts in zip(*tiles))
+        return _tiled_forward(ctx, fn, x, tile, dim, params)
 
     @staticmethod
     def backward(ctx, *grads_out: torch.Tensor | None):
-        x, *params = ctx.saved_tensors
-        need_dx = ctx.needs_input_grad[1]
-        wanted = [p for p, need in zip(params, ctx.needs_input_grad[4:]) if need]
-        param_grads: list[torch.Tensor | None] = [None] * len(wanted)
-        dx_tiles = []
-        device_type, autocast_on, autocast_dtype = ctx.autocast
-        for i, x_tile in enumerate(x.split(ctx.tile, dim=ctx.dim)):
-            start, length = i * ctx.tile, x_tile.shape[ctx.dim]
-            x_t = x_tile.detach().requires_grad_(need_dx)
-            with torch.enable_grad(), torch.autocast(device_type, enabled=autocast_on, dtype=autocast_dtype):
-                outs = ctx.fn(x_t)
-            pairs = [(o, g.narrow(ctx.dim, start, length)) for o, g in zip(outs, grads_out)
-                     if g is not None and o.requires_grad]
-            inputs = ([x_t] if need_dx else []) + wanted
-            if pairs:
-                outputs, grads_in = [o for o, _ in pairs], [g for _, g in pairs]
-                grads = list(torch.autograd.grad(outputs, inputs, grads_in, allow_unused=True))
-            else:
-                grads = [None] * len(inputs)
-            if need_dx:
-                dx = grads.pop(0)
-                dx_tiles.append(torch.zeros_like(x_t) if dx is None else dx)
-            for j, g in enumerate(grads):
-                if g is not None:
-                    param_grads[j] = g if param_grads[j] is None else param_grads[j] + g
-            del outs, pairs, grads  # free this tile's recomputed graph before the next tile
-        dx = torch.cat(dx_tiles, dim=ctx.dim) if need_dx else None
-        it = iter(param_grads)
-        return (None, dx, None, None, *[next(it) if need else None for need in ctx.needs_input_grad[4:]])
+        dx, param_grads = _tiled_backward(ctx, grads_out, first_param_input=4)
+        return (None, dx, None, None, *param_grads)
 
 
-class TiledMLPFunction:
+def _tiled_forward(ctx, fn: Callable, x: torch.Tensor, tile: int, dim: int, params: Sequence[torch.Tensor]):
+    """Run ``fn`` on tiles of ``x`` without grad; save only ``x`` and ``params`` for backward."""
+    ctx.fn, ctx.tile, ctx.dim = fn, tile, dim
+    ctx.set_materialize_grads(False)
+    device_type = x.device.type
+    ctx.autocast = (device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
+    ctx.save_for_backward(x, *params)
+    with torch.no_grad():
+        tiles = [fn(x_tile) for x_tile in x.split(tile, dim=dim)]
+    return tuple(torch.cat(parts, dim=dim) for parts in zip(*tiles))
+
+
+def _tiled_backward(ctx, grads_out: Sequence[torch.Tensor | None], first_param_input: int):
+    """Recompute each tile with grad; ``(dx or None, [grad or None per param input])``.
+
+    ``first_param_input``: index of the first ``*params`` input in ``ctx.needs_input_grad``.
+    """
+    x, *params = ctx.saved_tensors
+    need_dx = ctx.needs_input_grad[1]
+    needs = ctx.needs_input_grad[first_param_input:]
+    wanted = [p for p, need in zip(params, needs) if need]
+    param_grads: list[torch.Tensor | None] = [None] * len(wanted)
+    dx_tiles = []
+    device_type, autocast_on, autocast_dtype = ctx.autocast
+    for i, x_tile in enumerate(x.split(ctx.tile, dim=ctx.dim)):
+        start, length = i * ctx.tile, x_tile.shape[ctx.dim]
+        x_t = x_tile.detach().requires_grad_(need_dx)
+        with torch.enable_grad(), torch.autocast(device_type, enabled=autocast_on, dtype=autocast_dtype):
+            outs = ctx.fn(x_t)
+        pairs = [(o, g.narrow(ctx.dim, start, length)) for o, g in zip(outs, grads_out)
+                 if g is not None and o.requires_grad]
+        inputs = ([x_t] if need_dx else []) + wanted
+        if pairs:
+            outputs, grads_in = [o for o, _ in pairs], [g for _, g in pairs]
+            grads = list(torch.autograd.grad(outputs, inputs, grads_in, allow_unused=True))
+        else:
+            grads = [None] * len(inputs)
+        if need_dx:
+            dx = grads.pop(0)
+            dx_tiles.append(torch.zeros_like(x_t) if dx is None else dx)
+        for j, g in enumerate(grads):
+            if g is not None:
+                param_grads[j] = g if param_grads[j] is None else param_grads[j] + g
+        del outs, pairs, grads  # free this tile's recomputed graph before the next tile
+    dx = torch.cat(dx_tiles, dim=ctx.dim) if need_dx else None
+    it = iter(param_grads)
+    return dx, [next(it) if need else None for need in needs]
+
+
+class TiledMLPFunction(torch.autograd.Function):
     """``TiledMLPFunction.apply(mlp_forward_fn, x_BsD, num_tiles, *params) -> y_BsD``.
 
-    A single-output MLP over ``num_tiles`` sequence tiles (``TiledTokensFunction`` along ``s``).
-    ``params``: the tensors of ``mlp_forward_fn`` that should receive gradients (those requiring
-    grad); parameters left out (frozen ones) get none.
+    A single-output MLP over ``num_tiles`` sequence tiles: the case of :class:`TiledTokensFunction`
+    with one output along ``s`` (same forward and backward engine). ``params``: the tensors of
+    ``mlp_forward_fn`` that should receive gradients (those requiring grad); parameters left out
+    (frozen ones) get none.
     """
 
     @staticmethod
-    def apply(mlp_forward_fn: Callable, x_BsD: torch.Tensor, num_tiles: int, *params: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, mlp_forward_fn: Callable, x_BsD: torch.Tensor, num_tiles: int, *params: torch.Tensor):
         tile = _tile_size(x_BsD.shape[_SEQ_DIM], num_tiles)
+
         def one_output(x_BtD: torch.Tensor) -> tuple[torch.Tensor]:
             return (_call(mlp_forward_fn, x_BtD),)
 
-        (y_BsD,) = TiledTokensFunction.apply(one_output, x_BsD, tile, _SEQ_DIM, *params)
+        (y_BsD,) = _tiled_forward(ctx, one_output, x_BsD, tile, _SEQ_DIM, params)
         return y_BsD
+
+    @staticmethod
+    def backward(ctx, grad_y: torch.Tensor | None):
+        dx, param_grads = _tiled_backward(ctx, (grad_y,), first_param_input=3)
+        return (None, dx, None, *param_grads)
 
 
 def _call(fn: Callable, x: torch.Tensor) -> torch.Tensor:
@@ -149,42 +171,3 @@ def _add_wrapper_keys(module, state_dict, prefix, *args) -> None:
     inner = prefix + "mlp."
     for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
         state_dict[inner + key[len(prefix):]] = state_dict.pop(key)
-
-
-def _is_tileable(mlp: object) -> bool:
-    return isinstance(mlp, nn.Module) and not isinstance(mlp, TiledMLP)
-
-
-def is_moe_block(mlp: nn.Module) -> bool:
-    """A sparse MoE block (has ``experts``): tiled whole, router included, by ``TiledMoE``."""
-    return hasattr(mlp, "experts")
-
-
-def apply_tiled_mlp(model: nn.Module, tile_tokens: int) -> int:
-    """Wrap every submodule's ``.mlp`` so it runs in token tiles; returns how many were wrapped.
-
-    Dense MLPs become ``TiledMLP(mlp, tile_tokens)``; sparse MoE blocks (``.experts``, e.g. Mixtral,
-    Qwen2-MoE, Qwen3-MoE) become ``TiledMoE(block, tile_tokens)`` (router logits and the aux
-    loss stay exact). Only attributes of the user's model object are replaced; no model code is edited.
-
-    Raises:
-        ValueError: ``tile_tokens < 1``, or an MoE block with router jitter noise (checked for all
-            blocks before any is wrapped).
-    """
-    from ulysses_sp.memory.tiled_moe import TiledMoE  # tiled_moe builds on TiledMLP
-
-    if tile_tokens < 1:
-        raise ValueError(f"tile_tokens must be >= 1, got {tile_tokens}.")
-    owners = [m for m in model.modules() if _is_tileable(getattr(m, "mlp", None)) and not isinstance(m, TiledMLP)]
-    wrappers = [TiledMoE(o.mlp, tile_tokens) if is_moe_block(o.mlp) else TiledMLP(o.mlp, tile_tokens) for o in owners]
-    for owner, wrapper in zip(owners, wrappers):
-        owner.mlp = wrapper
-    return len(owners)
-
-
-def remove_tiled_mlp(model: nn.Module) -> int:
-    """Undo ``apply_tiled_mlp``: put the original MLP modules back; returns the count."""
-    owners = [m for m in model.modules() if isinstance(getattr(m, "mlp", None), TiledMLP)]
-    for owner in owners:
-        owner.mlp = owner.mlp.mlp
-    return len(owners)

@@ -1,6 +1,6 @@
 """``ulysses-sp train``: train a causal LM with Ulysses SP (default: a copy task on 2 local processes).
 
-All options are parsed by ``HfArgumentParser`` in :func:`run` (``ulysses_sp.train.options``): the
+All options are parsed by ``HfArgumentParser`` in :func:`run` (``ulysses_sp.cli.train.options``): the
 command's own and every ``TrainingArguments`` option; ``ulysses-sp train --help`` lists them.
 Exit codes: 0 done, 2 bad input (nothing launched, nothing written), 1 a worker failed.
 """
@@ -21,12 +21,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Validate, launch, print the summary; the exit code."""
     argv = list(args.options)
-    from ulysses_sp.train import options
+    from ulysses_sp.cli.train import options
 
     if any(a in ("-h", "--help") for a in argv):
         options.build_parser().print_help()
         return 0
-    from ulysses_sp.train.launch import TrainInputError, launch, plan
+    from ulysses_sp.cli.train.launch import TrainInputError, launch, plan
 
     try:
         p = plan(argv)

@@ -1,5 +1,9 @@
 """Communication model per attention layer: bytes one rank sends and collectives, per system.
 
+``ulysses`` and ``ring`` are this package's backends (``UlyssesSPConfig.sp_backend``); ``deepspeed``
+is the peer the bench compares with (DeepSpeed's ``UlyssesSPAttentionHF``), modelled here so one
+table of formulas covers every system the bench checks.
+
 Shape legend: B batch, S global sequence, s = S/P, N query heads, K kv heads, H head dim
 (Hv = H here), b bytes per element, L layers.
 

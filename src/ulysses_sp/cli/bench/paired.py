@@ -17,20 +17,19 @@ import tempfile
 
 import torch
 
-from ulysses_sp.bench.counting import CommCounter
-from ulysses_sp.bench.runner import PRELOAD, Job, _setup, _timed, machine
-from ulysses_sp.comm import launch
+from ulysses_sp import CommCounter, spawn
+from ulysses_sp.cli.bench.runner import PRELOAD, Job, machine, setup_system, timed_step
 
 
 def _paired_worker(rank: int, world: int, jobs: list[Job], rounds: int, out_path: str) -> None:
     device = torch.device("cuda", torch.cuda.current_device()) if jobs[0].backend == "nccl" else torch.device("cpu")
     counter = CommCounter()
-    steps = [_setup(job, device, counter)[0] for job in jobs]
+    steps = [setup_system(job, device, counter)[0] for job in jobs]
     losses = [[step.run(counter) for _ in range(job.warmup + 1)] for job, step in zip(jobs, steps)]
     times: list[list[float]] = [[] for _ in jobs]
     for _ in range(rounds):
         for i, step in enumerate(steps):
-            t = torch.tensor([_timed(step, counter, device)], dtype=torch.float64,
+            t = torch.tensor([timed_step(step, counter, device)], dtype=torch.float64,
                              device=device if device.type == "cuda" else "cpu")
             if world > 1:
                 torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
@@ -51,7 +50,7 @@ def run_paired(jobs: list[Job], rounds: int, timeout_s: float = 900.0, preload: 
         raise ValueError("paired jobs must share sp_size and seq_len and use SP systems (not 'single').")
     with tempfile.TemporaryDirectory() as tmp:
         out_path = os.path.join(tmp, "paired.json")
-        launch.spawn(_paired_worker, jobs[0].sp_size, jobs, rounds, out_path, backend=jobs[0].backend,
+        spawn(_paired_worker, jobs[0].sp_size, jobs, rounds, out_path, backend=jobs[0].backend,
                      timeout_s=timeout_s, preload=PRELOAD + list(preload))
         with open(out_path) as f:
             return json.load(f)

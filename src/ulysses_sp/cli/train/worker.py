@@ -21,8 +21,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ulysses_sp.train import options
-from ulysses_sp.train.tasks import CopyTask, default_model_config
+from ulysses_sp.cli.train import options
+from ulysses_sp.cli.train.tasks import CopyTask, default_model_config
 
 STAGING_SUFFIX = ".incomplete"
 
@@ -64,7 +64,7 @@ def build_model(margs: options.ModelDataArguments, seed: int):
 
 def build_data(margs: options.ModelDataArguments, seed: int):
     """``(train_dataset, collator, eval_rows, tokenizer)``; eval_rows only for the task."""
-    from ulysses_sp.train.data import LMCollator, load_tokenizer, prepare_dataset
+    from ulysses_sp.cli.train.data import LMCollator, load_tokenizer, prepare_dataset
 
     if margs.uses_task:
         task = CopyTask(margs.seq_len, margs.task_vocab_size)
@@ -80,8 +80,8 @@ def main(argv: list[str], output_dir: str, use_cuda: bool) -> dict[str, Any] | N
     _init_distributed(use_cuda)
     from transformers.trainer_callback import PrinterCallback
 
-    from ulysses_sp.integrations.trainer import UlyssesTrainer
-    from ulysses_sp.train.metrics import MetricsCallback
+    from ulysses_sp import UlyssesTrainer
+    from ulysses_sp.cli.train.metrics import MetricsCallback
 
     margs, spargs, _, targs = options.parse(argv, use_cuda=use_cuda)
     final, staging = Path(output_dir), staging_dir(output_dir)
@@ -121,7 +121,7 @@ def _prepare_staging(staging: Path, resuming: bool) -> None:
 
 def _finish(margs, spargs, seconds: float, staging: Path, final: Path) -> dict[str, Any]:
     """Rank 0: run.json + metrics.png into ``staging``, then rename it to ``final``."""
-    from ulysses_sp.train.plot import plot_metrics, read_metrics
+    from ulysses_sp.cli.train.plot import plot_metrics, read_metrics
 
     path = staging / "metrics.jsonl"
     records = read_metrics(path) if path.exists() else []  # the whole run, also when resumed

@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-IGNORE = -100
+from ulysses_sp import IGNORE_INDEX as IGNORE
+
 _BUILDERS = {".txt": "text", ".md": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 
 

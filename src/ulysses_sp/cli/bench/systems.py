@@ -2,7 +2,7 @@
 
     single     one process, plain Transformers (full sequence, SDPA, no SP)
     ulysses    ours: UlyssesSP (one fused q|k|v all-to-all + one output all-to-all per layer)
-    ring       ours: UlyssesSP's integration with RingAttention in place of UlyssesAttention
+    ring       ours: UlyssesSP with UlyssesSPConfig(sp_backend="ring") (RingAttention)
     deepspeed  DeepSpeed ALST: UlyssesSPAttentionHF.register_with_transformers, its data loader
                adapter and the HF Trainer's SP loss aggregation (transformers'
                ``deepspeed_sp_compute_loss``), as HF / Accelerate wire it
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ulysses_sp.bench.counting import CommCounter
+from ulysses_sp import CommCounter
 
 SYSTEMS = ("single", "ulysses", "ring", "deepspeed")
 
@@ -102,17 +102,12 @@ def single_step(model, ids_BS: torch.Tensor) -> Step:
     return Step(run, model.config.num_hidden_layers)
 
 
-def ours_step(model, ids_BS: torch.Tensor, mesh, counter: CommCounter, ring: bool) -> Step:
-    """UlyssesSP (``ring=False``) or the same integration with RingAttention (``ring=True``)."""
-    from ulysses_sp.attention import RingAttention
-    from ulysses_sp.integrations.transformers import UlyssesSP
-    from ulysses_sp.loss import global_num_items, reported_loss
+def ours_step(model, ids_BS: torch.Tensor, mesh, counter: CommCounter, backend: str) -> Step:
+    """``UlyssesSP`` with ``UlyssesSPConfig(sp_backend=backend)``: ``"ulysses"`` or ``"ring"``."""
+    from ulysses_sp import UlyssesSP, UlyssesSPConfig, global_num_items, reported_loss
 
-    sp = UlyssesSP(model, mesh)
-    if ring:
-        sp.attention = RingAttention(mesh.sp_group if mesh.sp_size > 1 else None)
-    sp._attention_forward = counter.scoped(sp._attention_forward)  # benchmark instrumentation only
-    sp.register()
+    sp = UlyssesSP(model, mesh, UlyssesSPConfig(sp_size=mesh.sp_size, sp_backend=backend))
+    sp.wrap_attention(counter.scoped).register()
     shard = sp.shard({"input_ids": ids_BS})
     group = mesh.sp_group if mesh.sp_size > 1 else None
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)

@@ -16,12 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ulysses_sp.train import options
-from ulysses_sp.train.tasks import CopyTask, default_model_config
-from ulysses_sp.train.worker import staging_dir
+from ulysses_sp.cli.train import options
+from ulysses_sp.cli.train.tasks import CopyTask, default_model_config
+from ulysses_sp.cli.train.worker import staging_dir
 
 PRELOAD = ["torch", "torch.distributed", "transformers", "transformers.modeling_utils", "transformers.trainer",
-           "ulysses_sp.integrations.trainer", "ulysses_sp.train.worker"]
+           "ulysses_sp.integrations.trainer", "ulysses_sp.cli.train.worker"]
 
 
 class TrainInputError(ValueError):
@@ -91,16 +91,15 @@ def _check_model(margs: options.ModelDataArguments, spargs: options.SPArguments)
     import torch
     from transformers import AutoModelForCausalLM
 
-    from ulysses_sp.integrations.transformers import unsupported_reasons
+    from ulysses_sp import check_model_support
 
     config = _model_config(margs)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, attn_implementation=margs.attn_implementation)
-    kernel = spargs.sp_attn_implementation or margs.attn_implementation
-    reasons = unsupported_reasons(model, spargs.sp_size, kernel)
-    if reasons:
-        raise TrainInputError(f"{type(model).__name__} cannot train with --sp-size {spargs.sp_size}: "
-                              + "; ".join(reasons) + ".")
+    try:
+        check_model_support(model, spargs.to_config())
+    except ValueError as err:
+        raise TrainInputError(f"--sp-size {spargs.sp_size} --sp-backend {spargs.sp_backend}: {err}") from err
     limit = getattr(config.get_text_config(), "max_position_embeddings", None)
     if limit is not None and margs.seq_len > limit:
         raise TrainInputError(f"--seq-len {margs.seq_len} is longer than the model allows "
@@ -112,7 +111,7 @@ def _check_model(margs: options.ModelDataArguments, spargs: options.SPArguments)
 
 def _check_data(margs: options.ModelDataArguments) -> None:
     """Task parameters, or: data files load and rows have a known format; a tokenizer exists."""
-    from ulysses_sp.train.data import load_raw, load_tokenizer, row_format
+    from ulysses_sp.cli.train.data import load_raw, load_tokenizer, row_format
 
     if margs.uses_task:
         CopyTask(margs.seq_len, margs.task_vocab_size)
@@ -166,7 +165,7 @@ def launch_config(p: Plan):
     """The ``LaunchConfig`` torchrun would build from the same options (single node: standalone)."""
     from torch.distributed import run as torchrun
 
-    from ulysses_sp.comm.launch import free_port
+    from ulysses_sp import free_port
 
     la = p.largs
     argv = ["--nproc-per-node", str(p.nproc_per_node), "--nnodes", str(la.nnodes), "--max-restarts",
@@ -189,7 +188,7 @@ def launch(p: Plan) -> dict[str, Any] | None:
     import torch.multiprocessing as mp
     from torch.distributed.launcher.api import elastic_launch
 
-    from ulysses_sp.train import worker
+    from ulysses_sp.cli.train import worker
 
     if _under_torchrun():  # already a worker of torchrun: train here
         return worker.main(p.argv, str(p.output_dir), p.use_cuda)

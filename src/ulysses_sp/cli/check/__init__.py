@@ -3,7 +3,7 @@
 Runs one forward + loss + backward of MODEL on a random batch in one process (plain transformers)
 and on ``--sp-size`` local processes (Ulysses SP), then prints the loss and the largest gradient
 differences. Exit code: 0 match, 1 mismatch, 2 bad input (missing path, unsupported model).
-The logic lives in ``ulysses_sp.integrations.check`` (imported only when the command runs, so
+The logic lives in ``ulysses_sp.cli.check.engine`` (imported only when the command runs, so
 other subcommands do not import transformers).
 """
 
@@ -14,7 +14,7 @@ import sys
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ulysses_sp.integrations.check import CheckReport
+    from ulysses_sp.cli.check.engine import CheckReport
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -63,7 +63,7 @@ def format_report(report: CheckReport) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Run the check and print its table; the exit code (0 match, 1 mismatch, 2 bad input)."""
-    from ulysses_sp.integrations.check import CheckInputError, CheckOptions, run_check
+    from ulysses_sp.cli.check.engine import CheckInputError, CheckOptions, run_check
 
     options = CheckOptions(
         model=args.model, sp_size=args.sp_size, random_init=args.random_init, dtype=args.dtype,

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from ulysses_sp.config import UlyssesSPConfig
+from ulysses_sp import UlyssesSPConfig
 
 DEFAULT_OUTPUT_DIR = "runs/ulysses-sp-train"
 
@@ -72,24 +73,29 @@ class ModelDataArguments:
         return not self.dataset
 
 
-@dataclass
-class SPArguments:
-    """Sequence parallelism (``UlyssesSPConfig``) and the data-parallel size."""
+SP_DEFAULTS: dict[str, Any] = {"sp_size": 2}  # this command's defaults where they differ from UlyssesSPConfig's
 
-    sp_size: int = field(default=2, metadata={"help": "ranks sharing one sequence; 1 = no SP (baseline)"})
-    dp_size: int = field(default=1, metadata={"help": "data-parallel replicas; world = sp_size * dp_size"})
-    sp_attn_implementation: str | None = field(default=None, metadata={"help": "override the SP core kernel"})
-    tiled_mlp_tokens: int | None = field(default=None, metadata={"help": "run MLPs in tiles of this many tokens"})
-    tiled_loss_tokens: int | None = field(default=None, metadata={"help": "lm_head + loss in tiles of this many "
-                                                                   "tokens (never the full logits)"})
-    offload_activations: bool = field(default=False, metadata={"help": "keep the inputs of checkpointed layers in "
-                                                               "CPU memory (needs --activation_checkpointing)"})
+
+def _sp_arguments() -> type:
+    """``SPArguments``: every ``UlyssesSPConfig`` field (declared once, in the config) plus ``--dp-size``."""
+    hints = typing.get_type_hints(UlyssesSPConfig)
+    specs: list[tuple[str, Any, Any]] = [
+        (f.name, hints[f.name], field(default=SP_DEFAULTS.get(f.name, f.default), metadata=dict(f.metadata)))
+        for f in dataclasses.fields(UlyssesSPConfig)
+    ]
+    specs.append(("dp_size", int, field(default=1, metadata={"help": "data-parallel replicas; world = sp_size * "
+                                                                     "dp_size"})))
 
     def to_config(self) -> UlyssesSPConfig:
         """The shared ``UlyssesSPConfig`` (validates the values)."""
-        return UlyssesSPConfig(sp_size=self.sp_size, sp_attn_implementation=self.sp_attn_implementation,
-                               tiled_mlp_tokens=self.tiled_mlp_tokens, tiled_loss_tokens=self.tiled_loss_tokens,
-                               offload_activations=self.offload_activations)
+        return UlyssesSPConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(UlyssesSPConfig)})
+
+    return dataclasses.make_dataclass("SPArguments", specs, namespace={
+        "to_config": to_config, "__doc__": "Sequence parallelism (``UlyssesSPConfig``) and the data-parallel size.",
+        "__module__": __name__})
+
+
+SPArguments = _sp_arguments()
 
 
 @dataclass

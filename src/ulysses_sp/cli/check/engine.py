@@ -21,7 +21,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -29,12 +29,10 @@ import torch.nn.functional as F
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
-from ulysses_sp.comm.launch import spawn
-from ulysses_sp.comm.mesh import SPMesh
-from ulysses_sp.integrations.transformers import UlyssesSP
-from ulysses_sp.loss import global_num_items, reported_loss
+from ulysses_sp import (
+    IGNORE_INDEX, SPMesh, UlyssesSP, UlyssesSPConfig, check_model_support, global_num_items, reported_loss, spawn,
+)
 
-IGNORE = -100
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -196,25 +194,14 @@ def load_model(opts: CheckOptions, device: torch.device) -> PreTrainedModel:
     return model.to(device).eval()
 
 
-@dataclass(frozen=True)
-class _PlannedMesh:
-    """What ``UlyssesSP.__init__`` reads of a mesh, so a model is validated before any process starts."""
-
-    sp_size: int
-    dp_size: int = 1
-    sp_rank: int = 0
-    sp_group: None = None
-
-
 def validate_model(model: PreTrainedModel, sp_size: int) -> str:
-    """The core kernel ``UlyssesSP`` would use; its ValueError becomes a CheckInputError."""
+    """The core kernel ``UlyssesSP`` would use (``check_model_support``); its ValueError becomes a CheckInputError."""
     try:
-        return UlyssesSP(model, cast(SPMesh, _PlannedMesh(sp_size))).kernel
+        return check_model_support(model, UlyssesSPConfig(sp_size=sp_size))
     except ValueError as err:
         raise CheckInputError(str(err)) from err
 
 
-# 2. batch ---------------------------------------------------------------------------------------
 def _documents(first: int, end: int, packed: bool, gen: torch.Generator) -> list[tuple[int, int]]:
     """``(start, end)`` runs of the real tokens ``[first, end)``: one, or up to three when packed."""
     num_docs = min(3, end - first) if packed else 1
@@ -241,8 +228,8 @@ def make_batch(opts: CheckOptions, vocab_size: int, pad_token_id: int = 0) -> Ch
     real = [row.nonzero().flatten() for row in valid]
     documents = [_documents(int(r[0]), int(r[-1]) + 1, opts.packed, gen) for r in real]
     ids = ids.masked_fill(~valid, pad_token_id)
-    labels = ids.masked_fill(~valid, IGNORE)
-    labels[:, 1:] = labels[:, 1:].masked_fill(~valid[:, :-1], IGNORE)
+    labels = ids.masked_fill(~valid, IGNORE_INDEX)
+    labels[:, 1:] = labels[:, 1:].masked_fill(~valid[:, :-1], IGNORE_INDEX)
     tensors = {"input_ids": ids, "labels": labels}
     if opts.padding:
         tensors["attention_mask"] = valid.long()
@@ -292,7 +279,7 @@ def reference_step(model: PreTrainedModel, batch: CheckBatch) -> StepResult:
     if "position_ids" in t:
         logits = _per_document_logits(model, CheckBatch(t, batch.documents))
         V, targets = logits.shape[-1], t["labels"][:, 1:].reshape(-1)
-        loss = F.cross_entropy(logits[:, :-1].reshape(-1, V).float(), targets, ignore_index=IGNORE)
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, V).float(), targets, ignore_index=IGNORE_INDEX)
     else:
         mask = t.get("attention_mask")
         loss = model(input_ids=t["input_ids"], attention_mask=mask, labels=t["labels"], use_cache=False).loss

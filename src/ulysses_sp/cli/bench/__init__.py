@@ -47,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _jobs(args: argparse.Namespace, cuda: bool, gpus: int) -> tuple[list, list[str]]:
-    from ulysses_sp.bench import Job, ModelSpec
+    from ulysses_sp.cli.bench.runner import Job, ModelSpec
 
     spec = ModelSpec(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
                      num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
@@ -87,8 +87,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if not cuda:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before the fork server starts: every worker inherits it
-    from ulysses_sp.bench import check_records, markdown, plots, run_job
-    from ulysses_sp.bench.paired import paired_table
+    from ulysses_sp.cli.bench.paired import paired_table
+    from ulysses_sp.cli.bench.report import check_records, markdown, plots
+    from ulysses_sp.cli.bench.runner import run_job
 
     jobs, skipped = _jobs(args, cuda, torch.cuda.device_count() if cuda else 0)
     preload = ("deepspeed",) if any(j.system == "deepspeed" for j in jobs) else ()
@@ -120,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _paired(jobs: list, rounds: int, preload: tuple[str, ...]) -> list[dict]:
-    from ulysses_sp.bench.paired import run_paired
+    from ulysses_sp.cli.bench.paired import run_paired
 
     out = []
     for key in sorted({(j.seq_len, j.sp_size) for j in jobs if j.system != "single"}):

@@ -1,14 +1,16 @@
 """Count collectives and the bytes this rank sends, by wrapping ``torch.distributed`` calls.
 
-Benchmark-only instrumentation: :class:`CommCounter` patches the ``torch.distributed`` module
-attributes while it is entered (in the benchmark process only) and restores them on exit. Every
+The package's one instrumentation of communication (``ulysses-sp bench``, ``ulysses-sp demo`` and
+the tests use it): :class:`CommCounter` wraps the public ``torch.distributed`` functions while it
+is entered and restores them on exit. Every
 library that calls ``torch.distributed.<op>`` at call time (our comm layer, DeepSpeed's
 ``deepspeed.comm`` torch backend, ``torch.distributed.nn.functional``) is seen.
 
 Each record is ``(op, bytes_sent, phase, scope)``:
 
 - ``phase``: set by the caller (``"forward"``, ``"backward"``, ``"sync"``, ...);
-- ``scope``: ``"attention"`` while inside an attention call wrapped with :meth:`CommCounter.scoped`,
+- ``scope``: ``"attention"`` while inside an attention call wrapped with :meth:`CommCounter.scoped`
+  (install it with ``UlyssesSP.wrap_attention(counter.scoped)``),
   in forward AND in backward (identity autograd markers around the call switch the scope when
   autograd enters and leaves the attention's backward), else ``None``.
 

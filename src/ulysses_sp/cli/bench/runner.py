@@ -21,13 +21,11 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.distributed as dist
 
-from ulysses_sp.bench.counting import CommCounter
-from ulysses_sp.bench.formulas import attention_comm
-from ulysses_sp.bench.systems import ModelSpec, Step, build_model, deepspeed_step, make_batch, ours_step, single_step
-from ulysses_sp.comm import launch
+from ulysses_sp import CommCounter, SPMesh, attention_comm, spawn
+from ulysses_sp.cli.bench.systems import ModelSpec, Step, build_model, deepspeed_step, make_batch, ours_step, single_step
 
 PRELOAD = ["transformers", "transformers.modeling_utils", "transformers.models.llama.modeling_llama",
-           "ulysses_sp.integrations.transformers", "ulysses_sp.bench.systems"]
+           "ulysses_sp.integrations.transformers", "ulysses_sp.cli.bench.systems"]
 
 
 @dataclass(frozen=True)
@@ -65,20 +63,18 @@ def _memory_peak(device: torch.device) -> int:
     return torch.cuda.max_memory_allocated() if device.type == "cuda" else _rss_bytes("VmHWM")
 
 
-def _setup(job: Job, device: torch.device, counter: CommCounter) -> tuple[Step, torch.nn.Module]:
+def setup_system(job: Job, device: torch.device, counter: CommCounter) -> tuple[Step, torch.nn.Module]:
     model = build_model(job.spec, job.seq_len, device, getattr(torch, job.dtype))
     ids = make_batch(job.spec, job.batch_size, job.seq_len, device)
     if job.system == "single":
         return single_step(model, ids), model
-    from ulysses_sp.comm.mesh import SPMesh
-
     mesh = SPMesh.from_world(job.sp_size)
     if job.system == "deepspeed":
         return deepspeed_step(model, ids, mesh, counter), model
-    return ours_step(model, ids, mesh, counter, ring=job.system == "ring"), model
+    return ours_step(model, ids, mesh, counter, backend=job.system), model
 
 
-def _timed(step: Step, counter: CommCounter, device: torch.device) -> float:
+def timed_step(step: Step, counter: CommCounter, device: torch.device) -> float:
     if dist.is_initialized():
         dist.barrier()
     if device.type == "cuda":
@@ -124,13 +120,13 @@ def _gather(value: float | int, device: torch.device, world: int) -> list[float]
 def _worker(rank: int, world: int, job: Job, out_path: str) -> None:
     device = torch.device("cuda", torch.cuda.current_device()) if job.backend == "nccl" else torch.device("cpu")
     counter = CommCounter()
-    step, model = _setup(job, device, counter)
+    step, model = setup_system(job, device, counter)
     base = _memory_mark(device)
     losses = [step.run(counter) for _ in range(job.warmup)]
     with counter:
         losses.append(step.run(counter))
     comm = _comm_summary(counter, step.num_layers)
-    times = [_timed(step, counter, device) for _ in range(job.repeats)]
+    times = [timed_step(step, counter, device) for _ in range(job.repeats)]
     peak = _gather(_memory_peak(device) - base, device, world)
     slowest = [max(_gather(t, device, world)) for t in times]
     bytes_fwd = _gather(comm["bytes_sent_per_rank_forward"], device, world)
@@ -186,7 +182,7 @@ def run_job(job: Job, timeout_s: float = 900.0, preload: tuple[str, ...] = ()) -
     world = 1 if job.system == "single" else job.sp_size
     with tempfile.TemporaryDirectory() as tmp:
         out_path = os.path.join(tmp, "record.json")
-        launch.spawn(_worker, world, job, out_path, backend=job.backend, timeout_s=timeout_s,
+        spawn(_worker, world, job, out_path, backend=job.backend, timeout_s=timeout_s,
                      preload=PRELOAD + list(preload))
         with open(out_path) as f:
             return json.load(f)

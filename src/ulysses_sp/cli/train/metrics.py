@@ -28,7 +28,8 @@ import torch
 import torch.distributed as dist
 from transformers import TrainerCallback
 
-IGNORE = -100
+from ulysses_sp import IGNORE_INDEX as IGNORE
+from ulysses_sp import all_reduce_sum, gather_signature
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -61,7 +62,7 @@ def answer_accuracy(model: torch.nn.Module, rows: Mapping[str, torch.Tensor], ul
         counts[0] += (logits.argmax(-1)[keep] == target[keep]).sum()
         counts[1] += keep.sum()
     if ulysses.mesh.sp_size > 1:
-        dist.all_reduce(counts, group=ulysses.mesh.sp_group)
+        counts = all_reduce_sum(counts, ulysses.mesh.sp_group)
     model.train(was_training)
     return (counts[0] / counts[1].clamp_min(1)).item()
 
@@ -141,8 +142,4 @@ def _all_gather_int(value: int) -> list[int]:
     """``value`` of every rank (world order); ``[value]`` without a process group."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return [value]
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    mine = torch.tensor([value], dtype=torch.int64, device=device)
-    table = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(table, mine)
-    return [int(t.item()) for t in table]
+    return [row[0] for row in gather_signature([value])]

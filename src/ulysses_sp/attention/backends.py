@@ -1,0 +1,28 @@
+"""The sequence-parallel backend chosen by ``UlyssesSPConfig.sp_backend``.
+
+Everything above (``UlyssesSP``, the trainers, the bench) picks a backend only through
+:func:`build_attention`; a new backend implements ``attention.contract.SPAttention`` and gets a
+name in ``config.SP_BACKENDS`` and a branch here.
+"""
+
+from __future__ import annotations
+
+from torch.distributed import ProcessGroup
+
+from ulysses_sp.attention.contract import SPAttention
+from ulysses_sp.attention.kernels import Kernel
+from ulysses_sp.attention.ring import RingAttention
+from ulysses_sp.attention.ulysses import UlyssesAttention
+from ulysses_sp.config import SP_BACKENDS
+
+
+def build_attention(backend: str, sp_group: ProcessGroup | None, kernel: str | Kernel = "sdpa") -> SPAttention:
+    """The attention of ``backend`` (one of ``SP_BACKENDS``) over ``sp_group`` (``None``: one process).
+
+    ``kernel`` is the core kernel of the ``ulysses`` backend; ``ring`` runs its own block kernels.
+    """
+    if backend == "ulysses":
+        return UlyssesAttention(sp_group, kernel)
+    if backend == "ring":
+        return RingAttention(sp_group)
+    raise ValueError(f"sp_backend {backend!r} is not available; use one of {list(SP_BACKENDS)}.")

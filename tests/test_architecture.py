@@ -1,0 +1,159 @@
+"""The layering of docs/architecture.md, checked on the source (AST of every import statement).
+
+    cli/            applications: import only ``from ulysses_sp import <exported name>`` and cli/ itself
+    integrations/   framework adapters (the only library layer importing transformers / accelerate / trl)
+    attention/ data/ loss/ memory/
+    config.py
+    comm/
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+import ulysses_sp
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "src" / "ulysses_sp"
+LAYERS = {"comm": 0, "config": 1, "attention": 2, "data": 2, "loss": 2, "memory": 2, "integrations": 3, "cli": 4}
+FRAMEWORKS = ("transformers", "accelerate", "trl", "peft", "datasets")
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _imports(path: Path) -> list[tuple[str, list[str], int]]:
+    """``(module, names, line)`` of every import in the file (nested ones too), relative ones resolved."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, [], node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0, f"{path}:{node.lineno}: use absolute imports"
+            found.append((node.module or "", [a.name for a in node.names], node.lineno))
+    return found
+
+
+def _targets(module: str, names: list[str]) -> list[str]:
+    """The package modules an import statement loads explicitly (a from-import of a submodule counts)."""
+    subs = [f"{module}.{n}" for n in names if f"{module}.{n}" in MODULES]
+    return subs + ([module] if len(subs) < len(names) or not names else [])
+
+
+def _layer(module: str) -> int | None:
+    parts = module.split(".")
+    return LAYERS.get(parts[1]) if len(parts) > 1 else None
+
+
+def test_every_module_is_in_a_layer():
+    """Catches a new top-level folder or module that docs/architecture.md does not place."""
+    stray = [m for m in MODULES if m != "ulysses_sp" and _layer(m) is None]
+    assert not stray, f"add these to a layer (docs/architecture.md, LAYERS here): {stray}"
+
+
+def test_imports_point_down_and_library_does_not_import_cli():
+    """Catches a library module importing cli/ (applications), a higher layer, or the package's
+    export hub ``ulysses_sp`` (which imports everything: a cycle waiting to happen)."""
+    wrong = []
+    for module, path in MODULES.items():
+        layer = _layer(module)
+        for target_module, names, line in _imports(path):
+            if not target_module.startswith("ulysses_sp"):
+                continue
+            for target in _targets(target_module, names):
+                if module == "ulysses_sp" or layer == LAYERS["cli"]:
+                    continue  # the export hub imports the layers; cli is checked by the next test
+                target_layer = _layer(target)
+                if target_layer is None or target_layer > layer:
+                    wrong.append(f"{module}:{line} imports {target}")
+    assert not wrong, "imports against the layering:\n" + "\n".join(wrong)
+
+
+def test_no_import_cycle():
+    """Catches two package modules importing each other (directly or through others), nested
+    imports included: a cycle makes import order matter and hides layering mistakes."""
+    graph = {m: set() for m in MODULES}
+    for module, path in MODULES.items():
+        for target_module, names, _ in _imports(path):
+            if target_module.startswith("ulysses_sp"):
+                graph[module] |= {t for t in _targets(target_module, names) if t != module and t in MODULES}
+    state: dict[str, int] = {}
+
+    def visit(node: str, trail: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                raise AssertionError("import cycle: " + " -> ".join(trail[trail.index(nxt):] + [node, nxt]))
+            if nxt not in state:
+                visit(nxt, trail + [node] if node not in trail else trail)
+        state[node] = 2
+
+    for module in graph:
+        if module not in state:
+            visit(module, [])
+
+
+def _public_use_violations(path: Path, allow_cli: bool) -> list[str]:
+    wrong = []
+    for module, names, line in _imports(path):
+        if not module.startswith("ulysses_sp"):
+            continue
+        if allow_cli and module.startswith("ulysses_sp.cli"):
+            continue
+        if module != "ulysses_sp" or not names:
+            wrong.append(f"{path.relative_to(ROOT)}:{line} imports {module} (use `from ulysses_sp import ...`)")
+            continue
+        wrong += [f"{path.relative_to(ROOT)}:{line} imports {n}, not in ulysses_sp.__all__"
+                  for n in names if n not in ulysses_sp.__all__]
+    return wrong
+
+
+def test_applications_use_only_exported_names():
+    """Catches the CLI, an example or a benchmark reaching into the library's modules or private
+    names instead of what ``ulysses_sp`` exports (what users get)."""
+    files = sorted((PACKAGE / "cli").rglob("*.py")) + sorted((ROOT / "examples").glob("*.py"))
+    files += sorted((ROOT / "benchmarks").glob("*.py"))
+    wrong = [w for f in files for w in _public_use_violations(f, allow_cli=PACKAGE / "cli" in f.parents)]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_readme_code_uses_only_exported_names():
+    """Catches README snippets that import from deep paths."""
+    text = (ROOT / "README.md").read_text()
+    wrong = []
+    for match in re.finditer(r"from (ulysses_sp[\w.]*) import ([\w, ]+)", text):
+        module, names = match.group(1), [n.strip() for n in match.group(2).split(",")]
+        if module != "ulysses_sp":
+            wrong.append(match.group(0))
+        wrong += [n for n in names if n and n not in ulysses_sp.__all__]
+    assert not wrong, wrong
+
+
+def test_frameworks_are_imported_only_by_integrations_and_cli():
+    """Catches transformers / accelerate / trl reaching the core layers, and DeepSpeed (a peer the
+    bench compares with) imported anywhere but cli/bench."""
+    wrong = []
+    for module, path in MODULES.items():
+        layer = _layer(module)
+        for target, _, line in _imports(path):
+            root = target.split(".")[0]
+            if root in FRAMEWORKS and layer is not None and layer < LAYERS["integrations"]:
+                wrong.append(f"{module}:{line} imports {target}")
+            if root == "deepspeed" and not module.startswith("ulysses_sp.cli.bench"):
+                wrong.append(f"{module}:{line} imports {target}")
+    assert not wrong, wrong
+
+
+@pytest.mark.parametrize("name", ulysses_sp.__all__)
+def test_every_exported_name_resolves(name):
+    """Catches ``__all__`` naming something the package cannot give (a typo, a moved function)."""
+    assert getattr(ulysses_sp, name) is not None
