@@ -37,12 +37,13 @@ def reference(family, kind, checkpointing=False):
     return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
-def sp_run(family, kind, mesh, checkpointing=False, tiled_mlp_tokens=None, tiled_loss_tokens=None):
+def sp_run(family, kind, mesh, checkpointing=False, tiled_mlp_tokens=None, tiled_loss_tokens=None, backend="ulysses"):
     model = tiny_model(family)
     if checkpointing:
         model.gradient_checkpointing_enable()
         model.train()
-    config = UlyssesSPConfig(sp_size=mesh.sp_size, tiled_mlp_tokens=tiled_mlp_tokens, tiled_loss_tokens=tiled_loss_tokens)
+    config = UlyssesSPConfig(sp_size=mesh.sp_size, sp_backend=backend, tiled_mlp_tokens=tiled_mlp_tokens,
+                             tiled_loss_tokens=tiled_loss_tokens)
     with UlyssesSP(model, mesh, config) as sp:
         num_tiled = sum(type(m).__name__ == "TiledMLP" for m in model.modules())
         assert num_tiled == (model.config.num_hidden_layers if tiled_mlp_tokens else 0)
@@ -59,10 +60,10 @@ def sp_run(family, kind, mesh, checkpointing=False, tiled_mlp_tokens=None, tiled
     return reported_loss(loss.detach(), mesh.sp_size, mesh.sp_group), grads
 
 
-def check(family, kind, mesh, checkpointing=False, tiled_mlp_tokens=None, tiled_loss_tokens=None):
+def check(family, kind, mesh, checkpointing=False, tiled_mlp_tokens=None, tiled_loss_tokens=None, backend="ulysses"):
     ref_loss, ref_grads = reference(family, kind, checkpointing)
-    loss, grads = sp_run(family, kind, mesh, checkpointing, tiled_mlp_tokens, tiled_loss_tokens)
-    where = f"{family}/{kind}/P={mesh.sp_size}/tiled_mlp={tiled_mlp_tokens}/tiled_loss={tiled_loss_tokens}"
+    loss, grads = sp_run(family, kind, mesh, checkpointing, tiled_mlp_tokens, tiled_loss_tokens, backend)
+    where = f"{family}/{kind}/P={mesh.sp_size}/{backend}/tiled_mlp={tiled_mlp_tokens}/tiled_loss={tiled_loss_tokens}"
     # fp32: only summation order differs (shard-wise weight-grad sums, per-document or GQA kernels);
     # observed <= 2e-6 relative. 1e-5 / 1e-4 leave margin; a wrong mask or shard gives >1e-2.
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5, msg=lambda m: f"{where} loss: {m}")
@@ -121,10 +122,16 @@ PLAN = {
 }
 
 
+# sp_backend="ring" through the same UlyssesSP path: any head count (2 heads on 4 ranks), windows
+RING_PLAN = {3: [("llama", "packed")], 4: [("llama_n2", "padding"), ("mistral", "packed")]}
+
+
 def _worker(rank, world):
     mesh = SPMesh.from_world(world)
     for family, kind in PLAN[world]:
         check(family, kind, mesh)
+    for family, kind in RING_PLAN.get(world, []):
+        check(family, kind, mesh, backend="ring")
     if world == 2:
         check("llama", "padding", mesh, checkpointing=True)
         check("qwen3", "packed", mesh, tiled_mlp_tokens=5)  # 12 local tokens: tiles of 5, 5, 2
@@ -143,7 +150,8 @@ def test_loss_and_every_gradient_match_one_process(world):
     """Catches any model family whose attention arguments (sliding window, softcap, scaling, q/k
     norm, fused qkv, GQA with K < P) or batch handling (padding, packed documents, S % P != 0,
     shift at shard boundaries) differ under SP from one process; P=1 must equal plain transformers.
-    P=2 also covers gradient checkpointing and the error for a batch without the global mask."""
+    P=2 also covers gradient checkpointing and the error for a batch without the global mask.
+    P=3/4 also run sp_backend="ring" (a config choice reaching the ring, including more ranks than heads)."""
     spawn(_worker, world)
 
 
