@@ -193,9 +193,10 @@ def test_non_empty_output_dir_is_refused_and_kept(tmp_path, capsys):
 
 def test_failed_run_leaves_no_output_dir(tmp_path, capsys):
     """Catches a failed run leaving a directory a later step would take for complete: a worker
-    error (here: resuming from a checkpoint that does not exist) exits 1 and only the staging
-    directory ``DIR.incomplete`` exists, without run.json."""
+    error (here: resuming from an empty directory that is no checkpoint; a missing path is refused
+    before launch) exits 1 and only the staging directory ``DIR.incomplete`` exists, without run.json."""
     out = tmp_path / "failed"
+    (tmp_path / "nope").mkdir()
     argv = ["train", *TASK, "--max-steps", "1", "--resume-from-checkpoint", str(tmp_path / "nope"),
             "--output-dir", str(out)]
     assert main(argv) == 1

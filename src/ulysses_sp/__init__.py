@@ -31,7 +31,8 @@ from ulysses_sp.attention import (
     KERNELS, GlobalMask, RingAttention, SPAttention, UlyssesAttention, build_attention, get_kernel,
 )
 from ulysses_sp.comm import (
-    AttentionComm, CommCounter, SPMesh, all_reduce_sum, attention_comm, check_same_across_ranks, check_sp_size,
+    DEFAULT_TIMEOUT_S, AttentionComm, CommCounter, SPMesh, all_reduce_sum, attention_comm, check_same_across_ranks,
+    check_sp_size,
     collective_device, free_port, gather_signature, spawn,
 )
 from ulysses_sp.config import ATTN_IMPLEMENTATIONS, IGNORE_INDEX, SP_BACKENDS, UlyssesSPConfig
@@ -59,7 +60,7 @@ _LAZY = {
 }
 
 __all__ = [
-    "ATTN_IMPLEMENTATIONS", "IGNORE_INDEX", "KERNELS", "PACKED_KEYS", "SP_BACKENDS",
+    "ATTN_IMPLEMENTATIONS", "DEFAULT_TIMEOUT_S", "IGNORE_INDEX", "KERNELS", "PACKED_KEYS", "SP_BACKENDS",
     "ActivationOffload", "AttentionComm", "CommCounter", "GlobalMask", "MemoryBreakdown", "MemoryFeatures",
     "ModelDims", "OffloadStats", "RingAttention", "SPAttention", "SPMesh", "ShardedBatch", "TiledMLP", "TiledMoE",
     "UlyssesAttention", "UlyssesDataLoader", "UlyssesSPConfig",

@@ -115,6 +115,9 @@ class UlyssesSPConfig:
         """Raise before training if ``sp_size`` cannot split ``world_size`` ranks."""
         check_sp_size(self.sp_size, world_size)
 
-    def build_mesh(self, device_type: str | None = None) -> SPMesh:
-        """The ``dp x sp`` mesh over the initialised world (``SPMesh.from_world`` validates it)."""
-        return SPMesh.from_world(self.sp_size, device_type=device_type)
+    def build_mesh(self, device_type: str | None = None, timeout_s: float | None = None) -> SPMesh:
+        """The ``dp x sp`` mesh over the initialised world (``SPMesh.from_world`` validates it).
+
+        ``timeout_s``: collective timeout of the SP / DP groups (default ``comm.mesh.DEFAULT_TIMEOUT_S``).
+        """
+        return SPMesh.from_world(self.sp_size, device_type=device_type, timeout_s=timeout_s)

@@ -19,10 +19,11 @@ from ulysses_sp.comm.cost import AttentionComm, attention_comm
 from ulysses_sp.comm.counting import CommCounter, CommRecord
 from ulysses_sp.comm.launch import free_port, spawn
 from ulysses_sp.comm.layout import HeadPlan
-from ulysses_sp.comm.mesh import SPMesh, check_sp_size
+from ulysses_sp.comm.mesh import DEFAULT_TIMEOUT_S, SPMesh, check_sp_size
 
 __all__ = [
-    "AttentionComm", "CommCounter", "CommRecord", "HeadPlan", "SPMesh", "all_reduce_sum", "attention_comm",
+    "DEFAULT_TIMEOUT_S", "AttentionComm", "CommCounter", "CommRecord", "HeadPlan", "SPMesh", "all_reduce_sum",
+    "attention_comm",
     "check_same_across_ranks", "check_sp_size", "collective_device", "free_port", "gather_signature",
     "head_to_seq_out", "seq_to_head_qkv", "spawn",
 ]

@@ -10,12 +10,17 @@ Contiguous SP ranks keep the all-to-all inside a node whenever ``sp_size`` divid
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
+
+DEFAULT_TIMEOUT_S = 600.0
+"""Collective timeout of the SP and DP groups when none is given: a stalled or dead rank turns into
+an error on the other ranks after 10 minutes (torch's own default for new groups is 30)."""
 
 
 @dataclass(frozen=True)
@@ -29,14 +34,18 @@ class SPMesh:
     device_mesh: DeviceMesh
     sp_size: int
     dp_size: int
+    timeout_s: float = DEFAULT_TIMEOUT_S
 
     @classmethod
-    def from_world(cls, sp_size: int, device_type: str | None = None) -> SPMesh:
+    def from_world(cls, sp_size: int, device_type: str | None = None, timeout_s: float | None = None) -> SPMesh:
         """Split the initialised world into ``dp = world // sp_size`` groups of ``sp_size`` ranks.
 
         Args:
             sp_size: ranks that share one sequence (the Ulysses degree), ``1 <= sp_size <= world``.
             device_type: ``"cuda"`` or ``"cpu"``; default: ``"cuda"`` for an NCCL world, else ``"cpu"``.
+            timeout_s: how long a collective of the SP / DP groups waits for a missing rank before
+                it raises (default ``DEFAULT_TIMEOUT_S``, 600 s; the Trainer passes ``ddp_timeout``).
+                torch would otherwise give new groups 30 minutes, whatever the world's timeout.
         """
         if not dist.is_available() or not dist.is_initialized():
             raise ValueError(
@@ -45,10 +54,21 @@ class SPMesh:
             )
         world = dist.get_world_size()
         check_sp_size(sp_size, world)
+        timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else float(timeout_s)
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}.")
         if device_type is None:
             device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
-        mesh = init_device_mesh(device_type, (world // sp_size, sp_size), mesh_dim_names=("dp", "sp"))
-        return cls(device_mesh=mesh, sp_size=sp_size, dp_size=world // sp_size)
+        dp_size = world // sp_size
+        timeout = datetime.timedelta(seconds=timeout_s)
+        # every rank creates every group, in the same order (torch.distributed's rule for new groups)
+        sp_group, _ = dist.new_subgroups_by_enumeration(
+            [list(range(d * sp_size, (d + 1) * sp_size)) for d in range(dp_size)], timeout=timeout)
+        dp_group, _ = dist.new_subgroups_by_enumeration(
+            [list(range(r, world, sp_size)) for r in range(sp_size)], timeout=timeout)
+        layout = torch.arange(world).view(dp_size, sp_size)
+        mesh = DeviceMesh.from_group([dp_group, sp_group], device_type, mesh=layout, mesh_dim_names=("dp", "sp"))
+        return cls(device_mesh=mesh, sp_size=sp_size, dp_size=dp_size, timeout_s=timeout_s)
 
     @property
     def sp_group(self) -> ProcessGroup:

@@ -225,6 +225,14 @@ class UlyssesAccelerate:
     def __init__(self, accelerator: Accelerator, config: UlyssesSPConfig | None = None) -> None:
         self.accelerator = accelerator
         self.config = config if config is not None else config_from_accelerate()
+        if accelerator.num_processes == 1 and self.config.sp_size > 1:
+            raise ValueError(
+                f"sp_size={self.config.sp_size} needs {self.config.sp_size} processes, but the Accelerator runs 1. "
+                "Launch several: `accelerate launch --config_file examples/accelerate_config.yaml ...` (a config with "
+                f"num_processes: {self.config.sp_size} and a multi-process distributed_type), `accelerate launch "
+                f"--multi_gpu --num_processes {self.config.sp_size} ...` or `torchrun --nproc-per-node "
+                f"{self.config.sp_size} ...`; `--num_processes` alone, without a multi-process config, starts one process."
+            )
         self.config.validate(accelerator.num_processes)
         self._check_accelerator()
         if not dist.is_initialized():  # one process without a launcher: a one-rank world
@@ -235,7 +243,10 @@ class UlyssesAccelerate:
                 f"torch.distributed has {dist.get_world_size()} ranks but the Accelerator {accelerator.num_processes}; "
                 "launch with accelerate launch / torchrun so that both agree."
             )
-        self.mesh = self.config.build_mesh("cuda" if accelerator.device.type == "cuda" else "cpu")
+        handler = getattr(accelerator, "init_handler", None)  # InitProcessGroupKwargs(timeout=...), if given
+        timeout = getattr(handler, "timeout", None)
+        self.mesh = self.config.build_mesh("cuda" if accelerator.device.type == "cuda" else "cpu",
+                                           timeout_s=timeout.total_seconds() if timeout is not None else None)
         self.accumulation_steps = accelerator.gradient_accumulation_steps
         self.grad_average_world = dist.get_world_size() * self.accumulation_steps
         self.sp: UlyssesSP | None = None

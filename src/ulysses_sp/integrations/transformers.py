@@ -69,6 +69,12 @@ def unsupported_reasons(model: PreTrainedModel, sp_size: int, kernel: str, backe
     reasons = []
     if getattr(model.config, "is_encoder_decoder", False):
         reasons.append("encoder-decoder models are not supported; Ulysses SP here shards decoder-only causal LMs")
+    elif _bidirectional_attention(model):
+        reasons.append(
+            f"its attention is bidirectional ({_bidirectional_attention(model)} has is_causal=False: an encoder such as "
+            "BERT, or a decoder config without is_decoder=True); Ulysses SP here trains causal language models, "
+            "whose targets are the next tokens - use a causal LM (or set is_decoder=True if the model supports it)"
+        )
     if not dispatches_attention(model):
         reasons.append(
             f"{type(model).__name__} does not dispatch attention through transformers' AttentionInterface, so its "
@@ -126,6 +132,22 @@ def check_model_support(model: torch.nn.Module, config: UlyssesSPConfig) -> str:
     if reasons:
         raise ValueError(f"{type(base).__name__} cannot be made sequence-parallel: " + "; ".join(reasons) + ".")
     return kernel
+
+
+def _bidirectional_attention(model: PreTrainedModel) -> str | None:
+    """The class name of a text-decoder attention module that declares ``is_causal=False``, if any.
+
+    Modules without the attribute count as causal (every decoder-only family sets ``is_causal = True``).
+    Only the text decoder is inspected (``get_decoder()``): a VLM's vision tower may be bidirectional.
+    """
+    try:
+        decoder = model.get_decoder()
+    except (AttributeError, NotImplementedError, ValueError):
+        decoder = model
+    for module in (decoder if isinstance(decoder, torch.nn.Module) else model).modules():
+        if getattr(module, "is_causal", True) is False:
+            return type(module).__name__
+    return None
 
 
 class UlyssesSP:

@@ -2,7 +2,9 @@
 
 All options are parsed by ``HfArgumentParser`` in :func:`run` (``ulysses_sp.cli.train.options``): the
 command's own and every ``TrainingArguments`` option; ``ulysses-sp train --help`` lists them.
-Exit codes: 0 done, 2 bad input (nothing launched, nothing written), 1 a worker failed.
+Exit codes: 0 done, 2 bad input (nothing launched, nothing written), 1 a worker failed (the
+message names the rank and why: its error, the signal that killed it, or a collective timeout),
+130 interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
@@ -37,12 +39,48 @@ def run(args: argparse.Namespace) -> int:
         print(describe(p), flush=True)
     try:
         summary = launch(p)
+    except TrainInputError as err:  # e.g. another run holds the output directory
+        print(f"ulysses-sp train: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(_interrupted(p), file=sys.stderr)
+        return 130
     except Exception as err:  # ChildFailedError carries each failed rank's error
-        print(f"ulysses-sp train: a worker failed; {p.output_dir} was not written.\n{err}", file=sys.stderr)
+        if type(err).__name__ == "SignalException":  # the launcher got SIGINT / SIGTERM
+            print(_interrupted(p, str(getattr(err, "sigval", "a signal"))), file=sys.stderr)
+            return 130
+        print(f"ulysses-sp train: a worker failed; {p.output_dir} was not written.\n{describe_failure(err)}",
+              file=sys.stderr)
         return 1
     if summary is not None:
         print(format_summary(summary, p.output_dir))
     return 0
+
+
+def _interrupted(p, signal_name: str = "Ctrl-C") -> str:
+    staging = p.output_dir.with_name(p.output_dir.name + ".incomplete")
+    return (f"ulysses-sp train: interrupted ({signal_name}); the workers were stopped and {p.output_dir} was not "
+            f"written. Checkpoints saved so far stay in {staging} (resume with --resume-from-checkpoint "
+            f"{staging}/checkpoint-N).")
+
+
+def describe_failure(err: BaseException) -> str:
+    """One line per failed rank: its last error line, or the signal / exit code that ended it."""
+    failures = getattr(err, "failures", None)
+    if not isinstance(failures, dict) or not failures:
+        return str(err)
+    lines = []
+    for rank, failure in sorted(failures.items()):
+        message = failure.message.get("message", "") if isinstance(failure.message, dict) else str(failure.message)
+        last = next((line.strip() for line in reversed(message.splitlines()) if line.strip()), "")
+        if failure.exitcode is not None and failure.exitcode < 0:
+            why = f"killed by {failure.signal_name()}"
+        elif last and not last.startswith("To enable traceback"):
+            why = last
+        else:
+            why = f"exited with code {failure.exitcode}"
+        lines.append(f"  rank {rank}: {why}")
+    return "\n".join(lines)
 
 
 def describe(p) -> str:

@@ -36,6 +36,16 @@ def _looks_local(name: str) -> bool:
     return name.startswith((".", "/", "~")) or Path(name).suffix.lower() in _BUILDERS or name.count("/") > 1
 
 
+def local_files(specs: list[str]) -> list[Path] | None:
+    """The paths when every spec is an existing local data file, else None (a name or a directory)."""
+    paths = [Path(s).expanduser() for s in specs]
+    missing = [s for s, p in zip(specs, paths) if not p.exists() and _looks_local(s)]
+    if missing:
+        raise DataInputError(f"dataset file(s) {missing} do not exist; give existing .txt/.jsonl/.json/.parquet/.csv "
+                             "files, a save_to_disk directory, or a datasets name.")
+    return paths if paths and all(p.is_file() for p in paths) else None
+
+
 def load_raw(specs: list[str], config: str | None = None, split: str = "train"):
     """The un-tokenized ``datasets.Dataset`` named by ``specs`` (see the module docstring)."""
     import datasets

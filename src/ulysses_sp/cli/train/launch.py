@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ulysses_sp.cli.train import options
+from ulysses_sp.cli.train import lock, options
 from ulysses_sp.cli.train.tasks import CopyTask, default_model_config
 from ulysses_sp.cli.train.worker import staging_dir
 
@@ -110,13 +110,19 @@ def _check_model(margs: options.ModelDataArguments, spargs: options.SPArguments)
 
 
 def _check_data(margs: options.ModelDataArguments) -> None:
-    """Task parameters, or: data files load and rows have a known format; a tokenizer exists."""
-    from ulysses_sp.cli.train.data import load_raw, load_tokenizer, row_format
+    """Task parameters, or: a tokenizer exists and EVERY row of the data is usable (``validate``:
+    local files streamed row by row; dataset names and save_to_disk directories loaded)."""
+    from ulysses_sp.cli.train.data import load_raw, load_tokenizer, local_files, row_format
+    from ulysses_sp.cli.train.validate import validate_files
 
     if margs.uses_task:
         CopyTask(margs.seq_len, margs.task_vocab_size)
         return
     load_tokenizer(margs.model)
+    files = local_files(margs.dataset)
+    if files is not None:
+        validate_files(files, margs.dataset_text_field)
+        return
     raw = load_raw(margs.dataset, margs.dataset_config, margs.dataset_split)
     if len(raw) == 0:
         raise TrainInputError(f"--dataset {margs.dataset} has no rows.")
@@ -144,7 +150,9 @@ def plan(argv: list[str]) -> Plan:
     if margs.seq_len < 2:
         raise TrainInputError(f"--seq-len must be >= 2, got {margs.seq_len}.")
     output_dir = _output_dir(argv, targs, margs.overwrite_output_dir)
+    _check_staging(output_dir, targs, margs.overwrite_output_dir)
     try:
+        _check_reporting(targs)
         _check_model(margs, spargs)
         _check_data(margs)
     except TrainInputError:
@@ -152,6 +160,38 @@ def plan(argv: list[str]) -> Plan:
     except ValueError as err:
         raise TrainInputError(str(err)) from err
     return Plan(list(argv), margs, spargs, largs, output_dir, world, nproc, _use_cuda(targs, nproc))
+
+
+def _check_staging(output_dir: Path, targs: Any, overwrite: bool) -> None:
+    """Never delete a stopped run's checkpoints without --overwrite-output-dir; resume paths exist."""
+    staging = staging_dir(output_dir)
+    resume = targs.resume_from_checkpoint
+    if resume is not None:
+        if not Path(resume).is_dir():
+            raise TrainInputError(f"--resume-from-checkpoint {resume} is not a directory; give a checkpoint-N "
+                                  f"directory (e.g. under {staging}).")
+        return
+    checkpoints = sorted(staging.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[-1]) if
+                         p.name.split("-")[-1].isdigit() else -1)
+    if checkpoints and not overwrite:
+        raise TrainInputError(
+            f"{staging} holds checkpoints of a stopped run ({', '.join(p.name for p in checkpoints)}): resume it "
+            f"with --resume-from-checkpoint {checkpoints[-1]}, or pass --overwrite-output-dir to discard them."
+        )
+
+
+def _check_reporting(targs: Any) -> None:
+    """Every --report-to integration is installed (else it fails in the workers, mid-start)."""
+    from transformers.integrations import get_reporting_integration_callbacks
+
+    names = [r for r in (targs.report_to or []) if r not in ("none", "all")]
+    try:
+        for callback in get_reporting_integration_callbacks(names):
+            callback()
+    except (ValueError, RuntimeError, ImportError) as err:
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise TrainInputError(f"--report-to {' '.join(names)}: {first} (install the package or drop the "
+                              "option).") from err
 
 
 def _use_cuda(targs: Any, nproc: int) -> bool:
@@ -180,6 +220,8 @@ def launch_config(p: Plan):
         argv += ["--master-port", str(la.master_port)] if la.master_port else []
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // p.nproc_per_node)))
     config, _, _ = torchrun.config_from_args(torchrun.parse_args(argv + ["ulysses-sp-train"]))
+    if hasattr(config, "shutdown_timeout"):
+        config.shutdown_timeout = 5  # a stalled worker is killed 5 s after another one failed (torch: 30)
     return config
 
 
@@ -190,16 +232,31 @@ def launch(p: Plan) -> dict[str, Any] | None:
 
     from ulysses_sp.cli.train import worker
 
-    if _under_torchrun():  # already a worker of torchrun: train here
-        return worker.main(p.argv, str(p.output_dir), p.use_cuda)
+    if _under_torchrun():  # already a worker of torchrun: train here (rank 0 holds the lock)
+        return _locked(p, os.environ.get("RANK") == "0", lambda: worker.main(p.argv, str(p.output_dir), p.use_cuda))
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
     mp.get_context("forkserver").set_forkserver_preload(PRELOAD)
     saved_threads = os.environ.get("OMP_NUM_THREADS")  # launch_config sets it for the workers only
     try:
-        results = elastic_launch(launch_config(p), worker.main)(p.argv, str(p.output_dir), p.use_cuda)
+        results = _locked(p, p.largs.node_rank == 0, lambda: elastic_launch(launch_config(p), worker.main)(
+            p.argv, str(p.output_dir), p.use_cuda))
     finally:
         if saved_threads is None:
             os.environ.pop("OMP_NUM_THREADS", None)
         else:
             os.environ["OMP_NUM_THREADS"] = saved_threads
     return next((r for r in results.values() if r is not None), None)
+
+
+def _locked(p: Plan, take: bool, run: Any) -> Any:
+    """``run()`` while holding ``DIR.lock`` (when ``take``; ``lock.OutputLockedError`` if another run lives)."""
+    if not take:
+        return run()
+    try:
+        lock.acquire(p.output_dir)
+    except lock.OutputLockedError as err:
+        raise TrainInputError(str(err)) from err
+    try:
+        return run()
+    finally:
+        lock.release(p.output_dir)

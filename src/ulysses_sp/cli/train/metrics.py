@@ -77,8 +77,10 @@ class MetricsCallback(TrainerCallback):
         progress: draw the bar (world rank 0 only).
     """
 
-    def __init__(self, path: Path, eval_rows: Mapping[str, torch.Tensor] | None, progress: bool = True) -> None:
+    def __init__(self, path: Path, eval_rows: Mapping[str, torch.Tensor] | None, progress: bool = True,
+                 elapsed_offset: float = 0.0) -> None:
         self.path = Path(path)
+        self.elapsed_offset = elapsed_offset  # seconds an earlier, resumed run had trained
         self.eval_rows = eval_rows
         self.progress = progress
         self.ulysses: Any = None
@@ -113,7 +115,7 @@ class MetricsCallback(TrainerCallback):
         per_rank = _all_gather_int(peak_memory_bytes(args.device))
         record["peak_memory_bytes"] = max(per_rank)
         record["peak_memory_bytes_per_rank"] = per_rank
-        record["elapsed_seconds"] = now - self._start
+        record["elapsed_seconds"] = self.elapsed_offset + now - self._start
         if state.is_world_process_zero:
             self.records.append(record)
             with self.path.open("a") as f:

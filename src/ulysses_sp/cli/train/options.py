@@ -23,7 +23,7 @@ DEFAULT_OUTPUT_DIR = "runs/ulysses-sp-train"
 # TrainingArguments defaults of this command; the Trainer's own for everything else
 TRAINING_DEFAULTS: dict[str, Any] = dict(
     output_dir=None, logging_steps=10, report_to="none", seed=0, dataloader_drop_last=True,
-    remove_unused_columns=False, disable_tqdm=True, use_cpu=False, include_num_input_tokens_seen=True,
+    remove_unused_columns=False, disable_tqdm=False, use_cpu=False, include_num_input_tokens_seen=True,
     ddp_find_unused_parameters=False,
 )
 # ... and for the embedded copy task (no --dataset): it learns in ~150 steps with these
@@ -119,7 +119,8 @@ def build_parser(defaults: dict[str, Any] | None = None):
     from transformers import HfArgumentParser, TrainingArguments
 
     parser = HfArgumentParser((ModelDataArguments, SPArguments, LaunchArguments, TrainingArguments),
-                              prog="ulysses-sp train", description="Train a causal LM with Ulysses SP.")
+                              prog="ulysses-sp train", description="Train a causal LM with Ulysses SP.",
+                              allow_abbrev=False)  # --learning-rat must not silently mean --learning-rate
     parser.set_defaults(**(training_defaults([]) if defaults is None else defaults))
     return parser
 

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import shutil
@@ -23,6 +24,7 @@ import torch.distributed as dist
 
 from ulysses_sp.cli.train import options
 from ulysses_sp.cli.train.tasks import CopyTask, default_model_config
+from ulysses_sp.cli.train.watchdog import Heartbeat, is_timeout, timeout_message
 
 STAGING_SUFFIX = ".incomplete"
 
@@ -33,15 +35,18 @@ def staging_dir(output_dir: str | Path) -> Path:
     return path.with_name(path.name + STAGING_SUFFIX)
 
 
-def _init_distributed(use_cuda: bool) -> None:
-    """env:// process group of the launcher (NCCL with one GPU per rank, else gloo on CPU)."""
+def _init_distributed(use_cuda: bool, timeout_s: float) -> None:
+    """env:// process group of the launcher (NCCL with one GPU per rank, else gloo on CPU).
+
+    ``timeout_s`` (``--ddp-timeout``) bounds every collective of the world and of the SP / DP groups.
+    """
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     threads = os.environ.get("OMP_NUM_THREADS") or max(1, (os.cpu_count() or 1) // local_world)
     torch.set_num_threads(int(threads))  # the user's OMP_NUM_THREADS, else this rank's share of the cores
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if use_cuda else "gloo")
+        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def build_model(margs: options.ModelDataArguments, seed: int):
@@ -76,32 +81,53 @@ def build_data(margs: options.ModelDataArguments, seed: int):
 
 
 def main(argv: list[str], output_dir: str, use_cuda: bool) -> dict[str, Any] | None:
-    """Train on this rank; world rank 0 returns the run summary (others None)."""
-    _init_distributed(use_cuda)
+    """Train on this rank; world rank 0 returns the run summary (others None).
+
+    A collective that times out becomes a ``RuntimeError`` naming the timeout and the silent
+    rank(s) (``watchdog``), so the launcher's report says which rank stalled.
+    """
+    margs, spargs, _, targs = options.parse(argv, use_cuda=use_cuda)
+    _init_distributed(use_cuda, targs.ddp_timeout)
+    heartbeat = Heartbeat.start(dist.get_rank(), dist.get_world_size())
+    try:
+        return _train(margs, spargs, targs, output_dir)
+    except Exception as err:
+        if dist.get_world_size() > 1 and is_timeout(err):
+            raise RuntimeError(timeout_message(dist.get_rank(), targs.ddp_timeout, heartbeat)) from err
+        raise
+    finally:
+        if heartbeat is not None:
+            heartbeat.stop()
+
+
+def _train(margs, spargs, targs, output_dir: str) -> dict[str, Any] | None:
     from transformers.trainer_callback import PrinterCallback
 
     from ulysses_sp import UlyssesTrainer
     from ulysses_sp.cli.train.metrics import MetricsCallback
 
-    margs, spargs, _, targs = options.parse(argv, use_cuda=use_cuda)
     final, staging = Path(output_dir), staging_dir(output_dir)
     rank0 = dist.get_rank() == 0
+    offset = torch.zeros(1, dtype=torch.float64)
     if rank0:
-        _prepare_staging(staging, resuming=targs.resume_from_checkpoint is not None)
-    dist.barrier()
+        offset[0] = _prepare_staging(staging, targs.resume_from_checkpoint)
+    dist.broadcast(offset, src=0)  # every rank: the earlier run's training seconds (0 for a new run)
+    progress = not targs.disable_tqdm  # our bar replaces the Trainer's (one bar, as --disable-tqdm says)
+    targs.disable_tqdm = True
     targs.output_dir = str(staging)
     if targs.include_num_input_tokens_seen == "all":  # the parser only takes booleans: count real tokens
         targs.include_num_input_tokens_seen = "non_padding"
     model = build_model(margs, targs.seed)
     train_dataset, collator, eval_rows, tokenizer = build_data(margs, targs.seed)
-    callback = MetricsCallback(staging / "metrics.jsonl", eval_rows, progress=True)
+    callback = MetricsCallback(staging / "metrics.jsonl", eval_rows, progress=progress,
+                               elapsed_offset=float(offset[0]))
     trainer = UlyssesTrainer(model=model, args=targs, train_dataset=train_dataset, data_collator=collator,
                              processing_class=tokenizer, callbacks=[callback], sp_config=spargs.to_config())
     callback.ulysses = trainer.ulysses
     trainer.remove_callback(PrinterCallback)  # our progress bar shows the logs
     started = time.perf_counter()
     trainer.train(resume_from_checkpoint=targs.resume_from_checkpoint)
-    seconds = time.perf_counter() - started
+    seconds = float(offset[0]) + time.perf_counter() - started
     trainer.save_model(str(staging))
     dist.barrier()
     summary = None
@@ -112,11 +138,30 @@ def main(argv: list[str], output_dir: str, use_cuda: bool) -> dict[str, Any] | N
     return summary
 
 
-def _prepare_staging(staging: Path, resuming: bool) -> None:
-    """Rank 0: an empty staging directory; when resuming, the stopped run's (checkpoints, metrics)."""
-    if not resuming:
-        shutil.rmtree(staging, ignore_errors=True)  # a stopped earlier run's leftovers
+def _prepare_staging(staging: Path, resume_from: str | None) -> float:
+    """Rank 0: the staging directory; returns the seconds an earlier run trained (0 for a new run).
+
+    New run: an empty directory (``launch.plan`` refused to start if the old one held checkpoints and
+    --overwrite-output-dir was not given). Resume: the stopped run's directory, with ``metrics.jsonl``
+    cut back to the checkpoint's step (the steps after it are trained again) and the earlier run's
+    elapsed time, the largest ``elapsed_seconds`` it logged, carried on.
+    """
+    if resume_from is None:
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True, exist_ok=True)
+        return 0.0
     staging.mkdir(parents=True, exist_ok=True)
+    path = staging / "metrics.jsonl"
+    if not path.exists():
+        return 0.0
+    from ulysses_sp.cli.train.plot import read_metrics
+
+    records = read_metrics(path)
+    state = Path(resume_from) / "trainer_state.json"
+    step = json.loads(state.read_text()).get("global_step", 0) if state.is_file() else None
+    kept = [r for r in records if step is None or r.get("step", 0) <= step]
+    path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    return max((float(r.get("elapsed_seconds", 0.0)) for r in records), default=0.0)
 
 
 def _finish(margs, spargs, seconds: float, staging: Path, final: Path) -> dict[str, Any]:
