@@ -5,7 +5,9 @@ message says only "Timed out waiting 10000ms for recv". Each worker therefore ru
 :class:`Heartbeat`: a daemon thread that bumps ``heartbeat/<rank>`` in the launcher's TCP store
 (the ``MASTER_ADDR:MASTER_PORT`` store every env:// process group already uses) once a second.
 A stopped (SIGSTOP), swapping or dead process stops bumping. On a timeout the surviving ranks read
-the counters twice and name the ranks whose counters did not move::
+the counters twice and name the ranks whose counters did not move, and stop those of them that run
+on the same host with SIGKILL (a stopped process ignores the launcher's SIGTERM, which would keep the
+run alive 30 s longer)::
 
     rank 0: a collective waited longer than the 10 s timeout (--ddp-timeout); rank 1 stopped
     responding (no heartbeat for 3 s): it is stalled or dead. ...
@@ -18,6 +20,8 @@ from __future__ import annotations
 
 import datetime
 import os
+import signal
+import socket
 import threading
 import time
 
@@ -32,8 +36,8 @@ def _store() -> dist.TCPStore:
                          timeout=datetime.timedelta(seconds=30))
 
 
-def _key(rank: int) -> str:
-    return f"ulysses_sp/heartbeat/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{rank}"
+def _key(rank: int, what: str = "heartbeat") -> str:
+    return f"ulysses_sp/{what}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{rank}"
 
 
 class Heartbeat:
@@ -56,6 +60,7 @@ class Heartbeat:
     def _beat(self) -> None:
         try:
             store = _store()
+            store.set(_key(self.rank, "process"), f"{socket.gethostname()} {os.getpid()}")
             while not self._stop.is_set():
                 store.add(_key(self.rank), 1)
                 self._stop.wait(INTERVAL_S)
@@ -74,6 +79,19 @@ class Heartbeat:
         time.sleep(wait)
         after = [store.add(_key(r), 0) for r in ranks]
         return [r for r, a, b in zip(ranks, before, after) if a == b], wait
+
+    def stop_ranks(self, ranks: list[int]) -> list[int]:
+        """SIGKILL the given ranks' processes that run on this host; the ranks stopped."""
+        store, host, stopped = _store(), socket.gethostname(), []
+        for rank in ranks:
+            try:
+                their_host, pid = store.get(_key(rank, "process")).decode().rsplit(" ", 1)
+                if their_host == host:
+                    os.kill(int(pid), signal.SIGKILL)
+                    stopped.append(rank)
+            except (OSError, ValueError, RuntimeError):
+                continue
+        return stopped
 
 
 def is_timeout(err: BaseException) -> bool:
@@ -96,8 +114,10 @@ def timeout_message(rank: int, timeout_s: float, heartbeat: Heartbeat | None) ->
         silent, wait = None, 0.0
     if silent:
         who = ", ".join(str(r) for r in silent)
+        stopped = heartbeat.stop_ranks(silent) if heartbeat is not None else []
+        ended = f" (rank {', '.join(map(str, stopped))} stopped with SIGKILL so that the run ends now)" if stopped else ""
         return (f"{head}; rank {who} stopped responding (no heartbeat for {wait:.0f} s): stalled (stopped, "
-                "swapping, a hung device) or dead. Raise --ddp-timeout only if steps legitimately take longer.")
+                f"swapping, a hung device) or dead{ended}. Raise --ddp-timeout only if steps legitimately take longer.")
     if silent == []:
         return (f"{head}, while every other rank is alive: ranks took different code paths or data (a rank "
                 "skipped or repeated a collective). Raise --ddp-timeout only if steps legitimately take longer.")

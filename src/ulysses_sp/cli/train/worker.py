@@ -112,6 +112,7 @@ def _train(margs, spargs, targs, output_dir: str) -> dict[str, Any] | None:
     if rank0:
         offset[0] = _prepare_staging(staging, targs.resume_from_checkpoint)
     dist.broadcast(offset, src=0)  # every rank: the earlier run's training seconds (0 for a new run)
+    _write_workers(staging)
     progress = not targs.disable_tqdm  # our bar replaces the Trainer's (one bar, as --disable-tqdm says)
     targs.disable_tqdm = True
     targs.output_dir = str(staging)
@@ -136,6 +137,16 @@ def _train(margs, spargs, targs, output_dir: str) -> dict[str, Any] | None:
     dist.barrier()
     dist.destroy_process_group()
     return summary
+
+
+def _write_workers(staging: Path) -> None:
+    """``DIR.incomplete/workers.json``: rank -> pid and host, to inspect or signal one rank of a live run."""
+    import socket
+
+    table: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(table, {"pid": os.getpid(), "host": socket.gethostname()})
+    if dist.get_rank() == 0:
+        (staging / "workers.json").write_text(json.dumps({str(r): t for r, t in enumerate(table)}, indent=1) + "\n")
 
 
 def _prepare_staging(staging: Path, resume_from: str | None) -> float:
