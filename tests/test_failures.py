@@ -353,3 +353,47 @@ def _mesh_timeout_worker(rank, world):
     assert time.monotonic() - t0 < 5
     with pytest.raises(ValueError, match="timeout_s"):
         SPMesh.from_world(1, timeout_s=math.nan)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--budget-gib", "0"], "--budget-gib must be a positive number"),
+    (["--budget-gib", "nan"], "--budget-gib must be a positive number"),
+    (["--sp-size", "64"], "sp_size 64 > num_attention_heads 32"),
+    (["--seq-len", "0"], "--seq-len must be >= 1"),
+])
+def test_plan_refuses_what_train_refuses(argv, message, capsys):
+    """Bug caught: ulysses-sp plan answering for a budget of 0 or NaN, or for sp 64 on a 32-head model."""
+    base = {"--model": "llama-3-8b", "--seq-len": "131072", "--budget-gib": "80", "--sp-size": "8"}
+    base.update(dict(zip(argv[::2], argv[1::2])))
+    assert main(["plan", *[x for kv in base.items() for x in kv]]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_plan_refuses_a_non_causal_model(tmp_path, capsys):
+    """Bug caught: the planner predicting memory for an encoder that train and check refuse."""
+    from transformers import BertConfig
+
+    BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+               intermediate_size=32).save_pretrained(tmp_path)
+    assert main(["plan", "--model", str(tmp_path), "--seq-len", "1024", "--budget-gib", "8"]) == 2
+    assert "bidirectional" in capsys.readouterr().err
+
+
+def test_different_batches_in_one_sp_group_raise():
+    """Bug caught: UlyssesSP.shard training on different batches per rank of one SP group with no error
+    (each rank would attend to another sequence's keys). On by default; check_same=False skips it."""
+    from dist_helper import spawn
+
+    spawn(_different_batches_worker, 2, timeout_s=120)
+
+
+def _different_batches_worker(rank, world):
+    from tiny_models import tiny_model
+    from ulysses_sp import SPMesh, UlyssesSP
+
+    mesh = SPMesh.from_world(2)
+    sp = UlyssesSP(tiny_model("llama"), mesh)
+    batch = {"input_ids": torch.arange(16)[None] + rank}  # rank 1 holds another sequence
+    with pytest.raises(ValueError, match="must see the same batch"):
+        sp.shard(batch)
+    assert sp.shard(batch, check_same=False)["input_ids"].shape == (1, 8)  # the documented switch

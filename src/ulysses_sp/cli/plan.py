@@ -62,6 +62,28 @@ def load_config(name: str) -> Any:
     raise ValueError(f"--model {name!r} is neither a directory with a config.json nor a preset ({', '.join(PRESETS)}).")
 
 
+# preset name -> transformers model_type (to apply the same model-support rule as train and UlyssesSP)
+PRESET_TYPES = {"llama-3.2-1b": "llama", "llama-3-8b": "llama", "llama-3-70b": "llama", "qwen2.5-7b": "qwen2",
+                "mixtral-8x7b": "mixtral", "bench-tiny": "llama"}
+
+
+def check_support(name: str, config: Any, sp_size: int) -> None:
+    """``ValueError`` with UlyssesSP's own message if the model cannot train with ``sp_size`` (meta device:
+    no weights are allocated)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ulysses_sp import UlyssesSPConfig, check_model_support
+
+    if name in PRESETS:
+        config = AutoConfig.for_model(PRESET_TYPES[name], **config)
+    elif os.path.isdir(name):
+        config = AutoConfig.from_pretrained(name, local_files_only=True)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    check_model_support(model, UlyssesSPConfig(sp_size=sp_size))
+
+
 def ladder(args: argparse.Namespace) -> list[tuple[str, Any]]:
     from ulysses_sp import MemoryFeatures
 
@@ -79,8 +101,11 @@ def run(args: argparse.Namespace) -> int:
 
     for name in ("seq_len", "sp_size", "batch_size", "state_shards", "loss_tile", "mlp_tile"):
         if getattr(args, name) < 1:
-            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1.")
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}.")
+    if not 0 < args.budget_gib < float("inf"):  # also NaN
+        raise ValueError(f"--budget-gib must be a positive number of GiB per rank, got {args.budget_gib}.")
     config = load_config(args.model)
+    check_support(args.model, config, args.sp_size)
     budget = int(args.budget_gib * 2**30)
     kw = dict(batch_size=args.batch_size, optimizer=args.optimizer, state_shards=args.state_shards)
     gib = 2**30
