@@ -397,3 +397,18 @@ def _different_batches_worker(rank, world):
     with pytest.raises(ValueError, match="must see the same batch"):
         sp.shard(batch)
     assert sp.shard(batch, check_same=False)["input_ids"].shape == (1, 8)  # the documented switch
+
+
+def test_disable_tqdm_is_honoured(tmp_path):
+    """Bug caught: --disable-tqdm true ignored (our bar still drawn) and false drawing two bars (ours and
+    the Trainer's). true: no bar; false (the default): every progress line is ours ('train:')."""
+    for flag, out in (("true", tmp_path / "quiet"), ("false", tmp_path / "bar")):
+        done = subprocess.run([sys.executable, "-m", "ulysses_sp.cli.main", "train", *TASK, "--max-steps", "3",
+                               "--disable-tqdm", flag, "--output-dir", str(out)], capture_output=True, text=True,
+                              timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        bars = [p for p in done.stderr.replace("\r", "\n").splitlines() if "it/s]" in p or "s/it]" in p]
+        if flag == "true":
+            assert bars == [], bars
+        else:
+            assert bars and all(p.lstrip().startswith("train:") for p in bars), bars

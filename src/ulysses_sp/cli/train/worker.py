@@ -115,6 +115,9 @@ def _train(margs, spargs, targs, output_dir: str) -> dict[str, Any] | None:
     _write_workers(staging)
     progress = not targs.disable_tqdm  # our bar replaces the Trainer's (one bar, as --disable-tqdm says)
     targs.disable_tqdm = True
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()  # no per-rank loading / saving bars either
     targs.output_dir = str(staging)
     if targs.include_num_input_tokens_seen == "all":  # the parser only takes booleans: count real tokens
         targs.include_num_input_tokens_seen = "non_padding"
