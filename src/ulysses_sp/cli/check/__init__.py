@@ -19,7 +19,10 @@ if TYPE_CHECKING:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of ``ulysses-sp check``."""
-    parser.add_argument("model", help="local model directory, path to a config.json, or a Hub name (needs network)")
+    parser.add_argument("--model", dest="model_flag", metavar="MODEL",
+                        help="local model directory, path to a config.json, or a Hub name (needs network); as in "
+                        "`train` and `plan`")
+    parser.add_argument("model", nargs="?", help="the same, positionally (kept as an alias of --model)")
     parser.add_argument("--sp-size", type=int, required=True, help="processes sharing the sequence (P)")
     parser.add_argument("--random-init", action="store_true",
                         help="weights from the model's own initializer (seeded); a checkpoint is the stronger check")
@@ -65,8 +68,13 @@ def run(args: argparse.Namespace) -> int:
     """Run the check and print its table; the exit code (0 match, 1 mismatch, 2 bad input)."""
     from ulysses_sp.cli.check.engine import CheckInputError, CheckOptions, run_check
 
+    if args.model and args.model_flag and args.model != args.model_flag:
+        raise ValueError(f"two models given ({args.model} and --model {args.model_flag}); give one.")
+    model = args.model_flag or args.model
+    if not model:
+        raise ValueError("give the model to check: ulysses-sp check --model DIR --sp-size P.")
     options = CheckOptions(
-        model=args.model, sp_size=args.sp_size, random_init=args.random_init, dtype=args.dtype,
+        model=model, sp_size=args.sp_size, random_init=args.random_init, dtype=args.dtype,
         batch_size=args.batch_size, seq_len=args.seq_len, padding=args.padding, packed=args.packed,
         attn_implementation=args.attn_implementation, seed=args.seed,
     )

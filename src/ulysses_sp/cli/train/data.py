@@ -1,15 +1,23 @@
 """Real data for ``ulysses-sp train``: load, tokenize (chat templates), pack, collate, as TRL's SFT does.
 
-    1. load      .txt/.md (one row per line), .json/.jsonl, .parquet, .csv files, a save_to_disk
-                 directory, or a ``datasets`` name (needs network) -> one split
+    1. load      .txt/.md (one row per line, paragraph or file: --text-sample-by), .json/.jsonl,
+                 .parquet, .csv files, a save_to_disk directory, or a ``datasets`` name (needs
+                 network) -> one split; --eval-split holds out a fraction of the documents
     2. tokenize  by row format (TRL's conventions):
-                   {"messages": [...]}                 chat template of the tokenizer
+                   {"messages": [...]}                 chat template of the tokenizer (loss on the
+                                                       assistant turns only with --assistant-only-loss)
                    {"prompt": ..., "completion": ...}  prompt + completion (loss on the completion
                                                        only with --completion-only-loss); both may
                                                        be plain text or message lists
                    {"text": ...}                       text + EOS (--dataset-text-field)
-    3. pack      TRL's ``pack_dataset`` (best-fit decreasing) into rows of at most --seq-len
-                 tokens with per-document ``seq_lengths``; without --packing: truncate
+    3. pack      TRL's ``pack_dataset`` into rows of at most --seq-len tokens with per-document
+                 ``seq_lengths`` (--packing-strategy: bfd_split, the default, splits documents
+                 longer than --seq-len into chunks and keeps every token; bfd truncates them;
+                 wrapped ignores documents); without --packing: one document per row, truncated.
+                 The tokens in the data and in the training rows are counted (run.json).
+                 Local rank 0 of each node tokenizes first into the datasets cache; the other
+                 ranks then read the same cache files (memory-mapped, so memory per rank does not
+                 grow with the data)
     4. collate   (B, S) input_ids / labels / attention_mask, and position_ids restarting at 0 for
                  every packed document (document boundaries for the SP attention mask); the first
                  token of a packed document is not predicted from the previous document
@@ -46,7 +54,8 @@ def local_files(specs: list[str]) -> list[Path] | None:
     return paths if paths and all(p.is_file() for p in paths) else None
 
 
-def load_raw(specs: list[str], config: str | None = None, split: str = "train"):
+def load_raw(specs: list[str], config: str | None = None, split: str = "train", sample_by: str = "line",
+             keep_in_memory: bool = False):
     """The un-tokenized ``datasets.Dataset`` named by ``specs`` (see the module docstring)."""
     import datasets
 
@@ -63,7 +72,10 @@ def load_raw(specs: list[str], config: str | None = None, split: str = "train"):
         kinds = {_BUILDERS.get(p.suffix.lower()) for p in paths}
         if None in kinds or len(kinds) != 1:
             raise DataInputError(f"cannot tell the format of {specs}: use one kind of file among {sorted(_BUILDERS)}.")
-        return datasets.load_dataset(kinds.pop(), data_files=[str(p) for p in paths], split="train")
+        kind = kinds.pop()
+        extra = {"sample_by": sample_by} if kind == "text" else {}
+        return datasets.load_dataset(kind, data_files=[str(p) for p in paths], split="train",
+                                     keep_in_memory=keep_in_memory, **extra)
     if len(specs) != 1:
         raise DataInputError(f"give either files or ONE dataset name/directory, got {specs}.")
     try:
@@ -111,9 +123,16 @@ def _ids(tokenizer, value: Any, **kwargs: Any) -> list[int]:
     return tokenizer(value, add_special_tokens=False)["input_ids"]
 
 
-def tokenize_row(row: dict[str, Any], tokenizer, fmt: str, text_field: str, completion_only: bool) -> dict[str, list]:
-    """``{"input_ids", "labels"}`` of one row (labels ``-100`` on the prompt if ``completion_only``)."""
+def tokenize_row(row: dict[str, Any], tokenizer, fmt: str, text_field: str, completion_only: bool,
+                 assistant_only: bool = False) -> dict[str, list]:
+    """``{"input_ids", "labels"}`` of one row (labels ``-100`` on the prompt if ``completion_only``,
+    outside the assistant turns if ``assistant_only``)."""
     eos = tokenizer.eos_token or ""
+    if fmt == "messages" and assistant_only:
+        out = tokenizer.apply_chat_template(row["messages"], tokenize=True, return_dict=True,
+                                            return_assistant_tokens_mask=True)
+        ids, mask = list(out["input_ids"]), list(out["assistant_masks"])
+        return {"input_ids": ids, "labels": [t if m else IGNORE for t, m in zip(ids, mask)]}
     if fmt == "messages":
         ids = _ids(tokenizer, row["messages"])
         return {"input_ids": ids, "labels": list(ids)}
@@ -130,26 +149,84 @@ def tokenize_row(row: dict[str, Any], tokenizer, fmt: str, text_field: str, comp
     return {"input_ids": ids, "labels": list(ids)}
 
 
-def prepare_dataset(margs: Any, tokenizer, seed: int):
-    """Load, tokenize and pack (or truncate) the user's data; rows of at most ``margs.seq_len`` tokens."""
-    from trl.data_utils import maybe_convert_to_chatml, pack_dataset
+@dataclass
+class PreparedData:
+    """The training rows (and eval rows) and how many tokens the data had and the rows keep."""
 
-    raw = load_raw(margs.dataset, margs.dataset_config, margs.dataset_split)
+    train: Any
+    eval: Any | None
+    tokens_in_data: int
+    tokens_per_epoch: int
+    documents: int
+
+    def summary(self) -> dict[str, int]:
+        return {"documents": self.documents, "tokens_in_data": self.tokens_in_data,
+                "tokens_per_epoch": self.tokens_per_epoch}
+
+
+def _tokenize(raw, margs: Any, tokenizer, map_kwargs: dict[str, Any]):
+    from trl.data_utils import maybe_convert_to_chatml
+
+    if "conversations" in raw.column_names:
+        raw = raw.map(maybe_convert_to_chatml, **map_kwargs)
+    fmt = row_format(raw[0], margs.dataset_text_field)
+    assistant_only = bool(getattr(margs, "assistant_only_loss", False))
+    if assistant_only and fmt != "messages":
+        raise DataInputError(f"--assistant-only-loss applies to chat ('messages') rows; these rows are {fmt!r} "
+                             "(prompt/completion rows: --completion-only-loss).")
+    fn_kwargs = dict(tokenizer=tokenizer, fmt=fmt, text_field=margs.dataset_text_field,
+                     completion_only=margs.completion_only_loss, assistant_only=assistant_only)
+    data = raw.map(tokenize_row, fn_kwargs=fn_kwargs, remove_columns=raw.column_names, desc="tokenize", **map_kwargs)
+    data = data.filter(lambda r: len(r["input_ids"]) > 1 and any(x != IGNORE for x in r["labels"][1:]), **map_kwargs)
+    if len(data) == 0:
+        raise DataInputError("no row has a token to train on (every label is masked: rows of one token, or "
+                             "--assistant-only-loss / --completion-only-loss masking everything).")
+    return data
+
+
+def _rows(data, margs: Any, seed: int, map_kwargs: dict[str, Any]):
+    """Packed rows (``--packing-strategy``) or one truncated document per row."""
+    from trl.data_utils import pack_dataset
+
+    if margs.packing:
+        strategy = getattr(margs, "packing_strategy", "bfd_split")
+        return pack_dataset(data.shuffle(seed=seed, **map_kwargs), margs.seq_len, strategy, map_kwargs)
+    return data.map(lambda r: {k: r[k][: margs.seq_len] for k in ("input_ids", "labels")}, **map_kwargs)
+
+
+def _num_tokens(data) -> int:
+    return sum(len(ids) for batch in data.iter(batch_size=4096) for ids in batch["input_ids"])
+
+
+def prepare_data(margs: Any, tokenizer, seed: int, keep_in_memory: bool = True) -> PreparedData:
+    """Load, tokenize, split off eval documents (--eval-split / --eval-dataset) and pack the user's data.
+
+    ``keep_in_memory=False`` writes the datasets cache files (the worker lets local rank 0 of a node
+    go first, so the other ranks read its cache instead of tokenizing again).
+    """
+    map_kwargs = {"keep_in_memory": keep_in_memory}
+    sample_by = getattr(margs, "text_sample_by", "line")
+    raw = load_raw(margs.dataset, margs.dataset_config, margs.dataset_split, sample_by, keep_in_memory)
     if len(raw) == 0:
         raise DataInputError(f"dataset {margs.dataset} has no rows.")
-    memory = {"keep_in_memory": True}  # every rank prepares the same rows: no shared cache files to race on
-    if "conversations" in raw.column_names:
-        raw = raw.map(maybe_convert_to_chatml, **memory)
-    fmt = row_format(raw[0], margs.dataset_text_field)
-    fn_kwargs = dict(tokenizer=tokenizer, fmt=fmt, text_field=margs.dataset_text_field,
-                     completion_only=margs.completion_only_loss)
-    data = raw.map(tokenize_row, fn_kwargs=fn_kwargs, remove_columns=raw.column_names, desc="tokenize", **memory)
-    data = data.filter(lambda r: len(r["input_ids"]) > 1 and any(x != IGNORE for x in r["labels"][1:]), **memory)
-    if margs.packing:
-        data = pack_dataset(data.shuffle(seed=seed, **memory), margs.seq_len, "bfd", memory)
-    else:
-        data = data.map(lambda r: {k: r[k][: margs.seq_len] for k in ("input_ids", "labels")}, **memory)
-    return data
+    data = _tokenize(raw, margs, tokenizer, map_kwargs)
+    eval_docs = None
+    split = getattr(margs, "eval_split", None)
+    if split:
+        parts = data.train_test_split(test_size=split, seed=seed, **({"keep_in_memory": True} if keep_in_memory
+                                                                     else {}))
+        data, eval_docs = parts["train"], parts["test"]
+    elif getattr(margs, "eval_dataset", None):
+        eval_raw = load_raw(margs.eval_dataset, margs.dataset_config, margs.dataset_split, sample_by, keep_in_memory)
+        eval_docs = _tokenize(eval_raw, margs, tokenizer, map_kwargs)
+    rows = _rows(data, margs, seed, map_kwargs)
+    eval_rows = _rows(eval_docs, margs, seed, map_kwargs) if eval_docs is not None else None
+    return PreparedData(rows, eval_rows, _num_tokens(data), _num_tokens(rows), len(data))
+
+
+def prepare_dataset(margs: Any, tokenizer, seed: int):
+    """The training rows of :func:`prepare_data` (rows of at most ``margs.seq_len`` tokens)."""
+    return prepare_data(margs, tokenizer, seed).train
 
 
 @dataclass

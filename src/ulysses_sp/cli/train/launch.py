@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -100,6 +101,13 @@ def _check_model(margs: options.ModelDataArguments, spargs: options.SPArguments)
         check_model_support(model, spargs.to_config())
     except ValueError as err:
         raise TrainInputError(f"--sp-size {spargs.sp_size} --sp-backend {spargs.sp_backend}: {err}") from err
+    targets = margs.lora_target_modules
+    if margs.lora_r > 0 and targets != ["all-linear"]:
+        names = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+        missing = sorted(set(targets) - names)
+        if missing:
+            raise TrainInputError(f"--lora-target-modules {missing} match no linear layer of {type(model).__name__}; "
+                                  f"its linear layers: {sorted(names)} (or all-linear).")
     limit = getattr(config.get_text_config(), "max_position_embeddings", None)
     if limit is not None and margs.seq_len > limit:
         raise TrainInputError(f"--seq-len {margs.seq_len} is longer than the model allows "
@@ -118,7 +126,14 @@ def _check_data(margs: options.ModelDataArguments) -> None:
     if margs.uses_task:
         CopyTask(margs.seq_len, margs.task_vocab_size)
         return
-    load_tokenizer(margs.model)
+    tokenizer = load_tokenizer(margs.model)
+    if margs.assistant_only_loss and not re.search(r"{%-?\s*generation\s*-?%}", tokenizer.chat_template or ""):
+        raise TrainInputError("--assistant-only-loss needs a chat template that marks the assistant turns with "
+                              "{% generation %} ... {% endgeneration %}; this tokenizer's template does not.")
+    if margs.eval_dataset:
+        eval_files = local_files(margs.eval_dataset)
+        if eval_files is not None:
+            validate_files(eval_files, margs.dataset_text_field)
     files = local_files(margs.dataset)
     if files is not None:
         validate_files(files, margs.dataset_text_field)
@@ -132,6 +147,7 @@ def _check_data(margs: options.ModelDataArguments) -> None:
 def plan(argv: list[str]) -> Plan:
     """Parse and validate everything that can be checked before launching (TrainInputError)."""
     try:
+        argv = options.expand_config(argv)  # the workers get the file's options as flags
         margs, spargs, largs, targs = options.parse(argv)
         spargs.to_config()
     except ValueError as err:
@@ -149,6 +165,7 @@ def plan(argv: list[str]) -> Plan:
                               "--activation-checkpointing (or drop --offload-activations).")
     if margs.seq_len < 2:
         raise TrainInputError(f"--seq-len must be >= 2, got {margs.seq_len}.")
+    _check_eval_and_lora(margs, targs)
     output_dir = _output_dir(argv, targs, margs.overwrite_output_dir)
     _check_staging(output_dir, targs, margs.overwrite_output_dir)
     try:
@@ -160,6 +177,27 @@ def plan(argv: list[str]) -> Plan:
     except ValueError as err:
         raise TrainInputError(str(err)) from err
     return Plan(list(argv), margs, spargs, largs, output_dir, world, nproc, _use_cuda(targs, nproc))
+
+
+def _check_eval_and_lora(margs: options.ModelDataArguments, targs: Any) -> None:
+    """Evaluation needs held-out data; --eval-split is a fraction; LoRA needs peft and a rank."""
+    import importlib.util
+
+    if margs.eval_split is not None and not 0 < margs.eval_split < 1:
+        raise TrainInputError(f"--eval-split is the fraction of documents held out, 0 < f < 1; got {margs.eval_split}.")
+    if margs.eval_split is not None and margs.eval_dataset:
+        raise TrainInputError("give --eval-dataset or --eval-split, not both.")
+    if margs.uses_task and (margs.eval_split is not None or margs.eval_dataset):
+        raise TrainInputError("--eval-dataset / --eval-split need --dataset (the copy task has its own held-out "
+                              "rows: --eval-strategy steps evaluates on them).")
+    strategy = getattr(targs.eval_strategy, "value", targs.eval_strategy)
+    if strategy != "no" and not margs.uses_task and not (margs.eval_split or margs.eval_dataset):
+        raise TrainInputError(f"--eval-strategy {strategy} needs held-out data: add --eval-dataset FILE "
+                              "or --eval-split 0.05.")
+    if margs.lora_r < 0:
+        raise TrainInputError(f"--lora-r must be >= 0 (0 = no LoRA), got {margs.lora_r}.")
+    if margs.lora_r > 0 and importlib.util.find_spec("peft") is None:
+        raise TrainInputError("--lora-r needs the peft package: pip install peft.")
 
 
 def _check_staging(output_dir: Path, targs: Any, overwrite: bool) -> None:

@@ -6,6 +6,8 @@
     TrainingArguments    every ``transformers.TrainingArguments`` option (``--learning-rate`` ...)
 
 Every option takes dashes or underscores (``--sp-size`` = ``--sp_size``), as ``trl sft`` does.
+``--config FILE`` (YAML or JSON: a mapping of option names to values) reads options from a file;
+options on the command line override it (:func:`expand_config`).
 """
 
 from __future__ import annotations
@@ -33,6 +35,83 @@ TASK_TRAINING_DEFAULTS: dict[str, Any] = dict(
 )
 
 
+def _load_mapping(path: str) -> dict[str, Any]:
+    """The mapping in a YAML / JSON config file (ValueError naming the file otherwise)."""
+    import json
+    from pathlib import Path
+
+    import yaml
+
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise ValueError(f"--config {path} does not exist; give a YAML or JSON file of options.")
+    text = file.read_text()
+    try:
+        values = json.loads(text) if file.suffix.lower() == ".json" else yaml.safe_load(text)
+    except (ValueError, yaml.YAMLError) as err:
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise ValueError(f"--config {path} is not valid {'JSON' if file.suffix.lower() == '.json' else 'YAML'}: "
+                         f"{first}") from err
+    if not isinstance(values, dict):
+        raise ValueError(f"--config {path} must hold a mapping of option names to values, got "
+                         f"{type(values).__name__}.")
+    return values
+
+
+def _known_options() -> set[str]:
+    from transformers import TrainingArguments
+
+    classes = (ModelDataArguments, SPArguments, LaunchArguments, TrainingArguments)
+    return {f.name for dc in classes for f in dataclasses.fields(dc)}
+
+
+def config_argv(path: str) -> list[str]:
+    """The options of a config file as command-line tokens (``--name value ...``)."""
+    values = _load_mapping(path)
+    known = _known_options()
+    unknown = sorted(k for k in values if str(k).replace("-", "_") not in known)
+    if unknown:
+        hints = []
+        for key in unknown:
+            close = difflib.get_close_matches(str(key).replace("-", "_"), sorted(known), n=1)
+            hints.append(f"{key}" + (f" (did you mean {close[0]}?)" if close else ""))
+        raise ValueError(f"--config {path}: unknown option(s) {', '.join(hints)}; see `ulysses-sp train --help`.")
+    tokens: list[str] = []
+    for key, value in values.items():
+        flag = "--" + str(key).replace("_", "-")
+        if value is None:
+            continue
+        if isinstance(value, dict):
+            raise ValueError(f"--config {path}: option {key!r} has a nested mapping; give its value directly.")
+        if isinstance(value, bool):
+            tokens += [flag, "true" if value else "false"]
+        elif isinstance(value, (list, tuple)):
+            tokens += [flag, *[str(v) for v in value]]
+        else:
+            tokens += [flag, str(value)]
+    return tokens
+
+
+def expand_config(argv: list[str]) -> list[str]:
+    """``argv`` with every ``--config FILE`` replaced by the file's options, placed FIRST so that options
+    given on the command line (later, so they win) override the file."""
+    files, rest, i = [], [], 0
+    while i < len(argv):
+        item = argv[i]
+        if item in ("--config", "--config-file", "--config_file"):
+            if i + 1 >= len(argv):
+                raise ValueError("--config needs a file: --config run.yaml")
+            files.append(argv[i + 1])
+            i += 2
+            continue
+        if item.split("=")[0] in ("--config", "--config-file", "--config_file"):
+            files.append(item.split("=", 1)[1])
+        else:
+            rest.append(item)
+        i += 1
+    return [token for path in files for token in config_argv(path)] + rest
+
+
 def training_defaults(argv: list[str]) -> dict[str, Any]:
     """TrainingArguments defaults for ``argv``: the task's unless ``--dataset`` is given."""
     real_data = any(a.split("=")[0] == "--dataset" for a in argv)
@@ -55,9 +134,28 @@ class ModelDataArguments:
     dataset_config: str | None = field(default=None, metadata={"help": "datasets configuration name"})
     dataset_split: str = field(default="train", metadata={"help": "split to train on"})
     dataset_text_field: str = field(default="text", metadata={"help": "column of plain-text rows"})
-    packing: bool = field(default=True, metadata={"help": "pack documents into rows of --seq-len (TRL's bfd)"})
+    packing: bool = field(default=True, metadata={"help": "pack documents into rows of --seq-len (false: one "
+                                                  "document per row, cut at --seq-len)"})
+    packing_strategy: str = field(default="bfd_split", metadata={
+        "help": "bfd_split: documents longer than --seq-len are split into --seq-len chunks, every token kept; bfd: "
+                "such documents are truncated; wrapped: the token stream is cut into rows ignoring documents",
+        "choices": ["bfd_split", "bfd", "wrapped"]})
+    text_sample_by: str = field(default="document", metadata={
+        "help": ".txt / .md files: one document per file, paragraph or line", "choices": ["document", "paragraph",
+                                                                                         "line"]})
     completion_only_loss: bool = field(default=True, metadata={"help": "prompt/completion data: loss on the "
                                                                "completion only"})
+    assistant_only_loss: bool = field(default=False, metadata={"help": "chat data: loss on the assistant turns only "
+                                                               "(the chat template marks them with {%% generation %%})"})
+    eval_dataset: list[str] | None = field(default=None, metadata={"help": "held-out data (same formats as "
+                                                                   "--dataset), evaluated under SP"})
+    eval_split: float | None = field(default=None, metadata={"help": "hold out this fraction of --dataset's "
+                                                             "documents for evaluation (0 < f < 1)"})
+    lora_r: int = field(default=0, metadata={"help": "LoRA rank (PEFT); 0 = train all weights"})
+    lora_alpha: float = field(default=16.0, metadata={"help": "LoRA alpha"})
+    lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout"})
+    lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"], metadata={
+        "help": "module names LoRA adapts (e.g. q_proj v_proj); all-linear = every linear layer but the head"})
     seq_len: int = field(default=512, metadata={"help": "global tokens per row, split over --sp-size ranks"})
     task_vocab_size: int = field(default=64, metadata={"help": "copy task: token ids (3 are special)"})
     task_train_rows: int = field(default=4096, metadata={"help": "copy task: training rows"})
@@ -119,7 +217,8 @@ def build_parser(defaults: dict[str, Any] | None = None):
     from transformers import HfArgumentParser, TrainingArguments
 
     parser = HfArgumentParser((ModelDataArguments, SPArguments, LaunchArguments, TrainingArguments),
-                              prog="ulysses-sp train", description="Train a causal LM with Ulysses SP.",
+                              prog="ulysses-sp train", description="Train a causal LM with Ulysses SP. Options may also "
+                              "come from --config FILE (YAML or JSON); command-line options override the file.",
                               allow_abbrev=False)  # --learning-rat must not silently mean --learning-rate
     parser.set_defaults(**(training_defaults([]) if defaults is None else defaults))
     return parser
@@ -133,6 +232,7 @@ def parse(argv: list[str], use_cuda: bool | None = None):
     Raises:
         ValueError: unknown options (with the closest known names).
     """
+    argv = expand_config(argv)
     defaults = dict(training_defaults(argv))
     if use_cuda is not None:
         defaults.update(use_cpu=not use_cuda, ddp_backend="nccl" if use_cuda else "gloo")

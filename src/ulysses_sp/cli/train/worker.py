@@ -67,17 +67,43 @@ def build_model(margs: options.ModelDataArguments, seed: int):
     return AutoModelForCausalLM.from_pretrained(margs.model, **kwargs)
 
 
-def build_data(margs: options.ModelDataArguments, seed: int):
-    """``(train_dataset, collator, eval_rows, tokenizer)``; eval_rows only for the task."""
-    from ulysses_sp.cli.train.data import LMCollator, load_tokenizer, prepare_dataset
+def build_data(margs: options.ModelDataArguments, seed: int, want_eval: bool):
+    """``(train_dataset, eval_dataset, collator, eval_rows, tokenizer, data_summary)``.
+
+    The copy task: its held-out rows give the accuracy and, when ``want_eval``, an eval dataset.
+    Real data: local rank 0 of each node tokenizes and packs first, writing the datasets cache; the
+    other ranks wait at a barrier and then read those cache files (memory-mapped), so the data is
+    tokenized once per node and memory per rank does not grow with the dataset.
+    """
+    from ulysses_sp.cli.train.data import LMCollator, load_tokenizer, prepare_data
 
     if margs.uses_task:
         task = CopyTask(margs.seq_len, margs.task_vocab_size)
         eval_rows = task.rows(margs.task_eval_rows, seed=seed + 1_000_003)
-        return task.dataset(margs.task_train_rows, seed=seed + 1), LMCollator(pad_token_id=0), eval_rows, None
+        eval_dataset = task.dataset(margs.task_eval_rows, seed=seed + 1_000_003) if want_eval else None
+        return (task.dataset(margs.task_train_rows, seed=seed + 1), eval_dataset, LMCollator(pad_token_id=0),
+                eval_rows, None, None)
     tokenizer = load_tokenizer(margs.model)
-    dataset = prepare_dataset(margs, tokenizer, seed)
-    return dataset, LMCollator(pad_token_id=tokenizer.pad_token_id or 0), None, tokenizer
+    first = int(os.environ.get("LOCAL_RANK", "0")) == 0
+    if first:
+        data = prepare_data(margs, tokenizer, seed, keep_in_memory=False)
+    dist.barrier()
+    if not first:
+        data = prepare_data(margs, tokenizer, seed, keep_in_memory=False)
+    return (data.train, data.eval, LMCollator(pad_token_id=tokenizer.pad_token_id or 0), None, tokenizer,
+            data.summary())
+
+
+def apply_lora(model, margs: options.ModelDataArguments):
+    """``model`` wrapped by PEFT LoRA when ``--lora-r`` > 0 (only the adapters train)."""
+    if margs.lora_r <= 0:
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    targets = margs.lora_target_modules
+    config = LoraConfig(r=margs.lora_r, lora_alpha=margs.lora_alpha, lora_dropout=margs.lora_dropout,
+                        target_modules=targets[0] if targets == ["all-linear"] else targets, task_type="CAUSAL_LM")
+    return get_peft_model(model, config)
 
 
 def main(argv: list[str], output_dir: str, use_cuda: bool) -> dict[str, Any] | None:
@@ -121,22 +147,31 @@ def _train(margs, spargs, targs, output_dir: str) -> dict[str, Any] | None:
     targs.output_dir = str(staging)
     if targs.include_num_input_tokens_seen == "all":  # the parser only takes booleans: count real tokens
         targs.include_num_input_tokens_seen = "non_padding"
-    model = build_model(margs, targs.seed)
-    train_dataset, collator, eval_rows, tokenizer = build_data(margs, targs.seed)
+    model = apply_lora(build_model(margs, targs.seed), margs)
+    want_eval = targs.eval_strategy != "no" or bool(margs.eval_dataset or margs.eval_split)
+    train_dataset, eval_dataset, collator, eval_rows, tokenizer, data_summary = build_data(margs, targs.seed,
+                                                                                            want_eval)
+    if rank0 and data_summary is not None:
+        print(f"ulysses-sp train: {data_summary['documents']} documents, {data_summary['tokens_in_data']} tokens in "
+              f"the data, {data_summary['tokens_per_epoch']} tokens trained per epoch "
+              f"(--packing-strategy {margs.packing_strategy if margs.packing else 'none'})", flush=True)
     callback = MetricsCallback(staging / "metrics.jsonl", eval_rows, progress=progress,
                                elapsed_offset=float(offset[0]))
-    trainer = UlyssesTrainer(model=model, args=targs, train_dataset=train_dataset, data_collator=collator,
-                             processing_class=tokenizer, callbacks=[callback], sp_config=spargs.to_config())
+    trainer = UlyssesTrainer(model=model, args=targs, train_dataset=train_dataset, eval_dataset=eval_dataset,
+                             data_collator=collator, processing_class=tokenizer, callbacks=[callback],
+                             sp_config=spargs.to_config())
     callback.ulysses = trainer.ulysses
     trainer.remove_callback(PrinterCallback)  # our progress bar shows the logs
     started = time.perf_counter()
     trainer.train(resume_from_checkpoint=targs.resume_from_checkpoint)
+    if eval_dataset is not None and targs.eval_strategy == "no":
+        trainer.evaluate()  # held-out data without --eval-strategy: evaluate once, at the end
     seconds = float(offset[0]) + time.perf_counter() - started
     trainer.save_model(str(staging))
     dist.barrier()
     summary = None
     if rank0:
-        summary = _finish(margs, spargs, seconds, staging, final)
+        summary = _finish(margs, spargs, seconds, staging, final, data_summary)
     dist.barrier()
     dist.destroy_process_group()
     return summary
@@ -178,7 +213,7 @@ def _prepare_staging(staging: Path, resume_from: str | None) -> float:
     return max((float(r.get("elapsed_seconds", 0.0)) for r in records), default=0.0)
 
 
-def _finish(margs, spargs, seconds: float, staging: Path, final: Path) -> dict[str, Any]:
+def _finish(margs, spargs, seconds: float, staging: Path, final: Path, data_summary: dict | None) -> dict[str, Any]:
     """Rank 0: run.json + metrics.png into ``staging``, then rename it to ``final``."""
     from ulysses_sp.cli.train.plot import plot_metrics, read_metrics
 
@@ -191,11 +226,14 @@ def _finish(margs, spargs, seconds: float, staging: Path, final: Path) -> dict[s
         "complete": True, "train_seconds": seconds, "world_size": world, "sp_size": spargs.sp_size,
         "dp_size": world // spargs.sp_size, "seq_len": margs.seq_len,
         "task": "copy" if margs.uses_task else None, "chance_accuracy": chance,
-        "model": margs.model or "embedded-llama", "dataset": margs.dataset,
+        "model": margs.model or "embedded-llama", "dataset": margs.dataset, "data": data_summary,
+        "lora_r": margs.lora_r or None,
         "final": records[-1] if records else None, "first": records[0] if records else None,
     }
     if records:
-        title = f"ulysses-sp train: SP={spargs.sp_size} x DP={world // spargs.sp_size}, S={margs.seq_len}"
+        data = "copy task" if margs.uses_task else ", ".join(Path(d).name for d in margs.dataset or [])
+        title = (f"{Path(margs.model).name if margs.model else 'embedded Llama'} on {data}: S={margs.seq_len}, "
+                 f"SP={spargs.sp_size} x DP={world // spargs.sp_size}")
         plot_metrics(records, staging / "metrics.png", title, chance)
     (staging / "run.json").write_text(json.dumps(summary, indent=2) + "\n")
     if final.exists():
