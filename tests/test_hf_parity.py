@@ -113,9 +113,10 @@ def check_lora(family, kind, mesh):
             torch.testing.assert_close(p.grad / mesh.sp_size / scale, r.grad / scale, rtol=0, atol=1e-4)
 
 
-FAMILIES = ["llama", "llama_k1", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "llama_mha_eager"]
+FAMILIES = ["llama", "llama_k1", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "llama_mha_eager",
+            "stablelm", "nemotron"]  # the last two drop attention kwargs
 PLAN = {
-    1: [(f, k) for f in ("llama", "gemma2") for k in ("padding", "packed")],
+    1: [(f, k) for f in ("llama", "gemma2", "stablelm", "nemotron") for k in ("padding", "packed")],
     2: [(f, k) for f in FAMILIES for k in ("padding", "packed", "odd")],
     3: [(f, k) for f in ("llama", "qwen3", "mistral") for k in ("padding", "packed")],
     4: [(f, "packed") for f in FAMILIES] + [("gemma2", "padding"), ("llama_k1", "odd")],
@@ -134,6 +135,7 @@ def _worker(rank, world):
         check(family, kind, mesh, backend="ring")
     if world == 2:
         check("llama", "padding", mesh, checkpointing=True)
+        check("stablelm", "padding", mesh, checkpointing=True)  # the recompute finds the call's mask too
         check("qwen3", "packed", mesh, tiled_mlp_tokens=5)  # 12 local tokens: tiles of 5, 5, 2
         check("gemma2", "padding", mesh, checkpointing=True, tiled_mlp_tokens=4, tiled_loss_tokens=7)  # final softcap
         check("llama", "packed", mesh, tiled_loss_tokens=5)

@@ -30,6 +30,11 @@ def tiny_config(family: str):
         cfg = tf.Gemma3TextConfig(**COMMON, num_attention_heads=4, num_key_value_heads=1, head_dim=16, sliding_window=6,
                                   query_pre_attn_scalar=16)
         return cfg, "sdpa"
+    if family == "stablelm":  # decoder layers call attention without **kwargs; partial rotary, qkv bias
+        return tf.StableLmConfig(**COMMON, num_attention_heads=8, num_key_value_heads=2, use_qkv_bias=True,
+                                 partial_rotary_factor=0.5), "sdpa"
+    if family == "nemotron":  # decoder layers call attention without **kwargs; relu2 MLP, layernorm1p
+        return tf.NemotronConfig(**COMMON, num_attention_heads=8, num_key_value_heads=2), "sdpa"
     if family == "phi3":  # fused qkv projection
         return tf.Phi3Config(**COMMON, num_attention_heads=8, num_key_value_heads=4), "sdpa"
     raise KeyError(family)

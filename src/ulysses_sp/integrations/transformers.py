@@ -14,8 +14,11 @@
 Nothing of the model is edited and no private transformers function is patched: the model's
 attention layers call ``ALL_ATTENTION_FUNCTIONS[config._attn_implementation]``, which now is our
 key; the global mask travels as the ``ulysses_mask`` keyword that transformers forwards from
-``model(...)`` to every attention function. Masks are never built by the model (no
-``attention_mask`` is passed), so no per-layer or per-rank S x S mask exists.
+``model(...)`` to every attention function. Some decoder layers (StableLM, Nemotron, ...) call
+attention without forwarding ``**kwargs``: for them a forward pre-hook on the model keeps the
+``ulysses_mask`` of the current ``model(...)`` call, and attention calls that arrive without it
+use that one (also when gradient checkpointing recomputes the layer in backward). Masks are never
+built by the model (no ``attention_mask`` is passed), so no per-layer or per-rank S x S mask exists.
 """
 
 from __future__ import annotations
@@ -193,6 +196,8 @@ class UlyssesSP:
         self.key = f"{_KEY_PREFIX}_{next(_counter)}_{config.sp_backend}_{self.kernel}"
         self._wrappers: list[Callable[[AttentionFunction], AttentionFunction]] = []
         self._saved: tuple[str, bool] | None = None
+        self._mask_hook: Any = None
+        self._call_mask: GlobalMask | None = None  # ulysses_mask of the model call in progress
 
     # registration -------------------------------------------------------------------------
     def wrap_attention(self, wrapper: Callable[[AttentionFunction], AttentionFunction]) -> UlyssesSP:
@@ -217,6 +222,7 @@ class UlyssesSP:
         for wrapper in self._wrappers:
             function = wrapper(function)
         AttentionInterface.register(self.key, function)
+        self._mask_hook = self.base.register_forward_pre_hook(self._keep_call_mask, with_kwargs=True)
         config = self.base.config
         self._saved = (current_attn_implementation(self.base), config.use_cache)
         self.base.set_attn_implementation(self.key)
@@ -237,7 +243,14 @@ class UlyssesSP:
         self.base.set_attn_implementation(implementation)
         self.base.config.use_cache = use_cache
         unregister_attention_function(self.key)
+        if self._mask_hook is not None:
+            self._mask_hook.remove()
+            self._mask_hook, self._call_mask = None, None
         self._saved = None
+
+    def _keep_call_mask(self, module: torch.nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+        """Forward pre-hook: the global mask of this ``model(...)`` call (None for a raw batch)."""
+        self._call_mask = kwargs.get("ulysses_mask")
 
     def __enter__(self) -> UlyssesSP:
         return self.register()
@@ -265,6 +278,8 @@ class UlyssesSP:
                 "keys are longer than queries (a KV cache?): generation is not supported under Ulysses SP; "
                 "call sp.unregister() before generate(), or pass use_cache=False."
             )
+        if ulysses_mask is None:  # a decoder layer that does not forward **kwargs: the call's mask
+            ulysses_mask = self._call_mask
         if ulysses_mask is None:
             if self.mesh.sp_size > 1 or attention_mask is not None:
                 raise ValueError(
