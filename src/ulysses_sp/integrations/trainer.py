@@ -124,7 +124,14 @@ class UlyssesTrainerMixin:
         return self._shard_by_dp(super().get_train_dataloader())
 
     def get_eval_dataloader(self, eval_dataset: Any = None) -> Any:
-        return self._shard_by_dp(super().get_eval_dataloader(eval_dataset))
+        """The eval loader split over DP replicas; it keeps the last partial batch even with
+        ``dataloader_drop_last`` (meant for training): every held-out row counts in eval_loss."""
+        drop_last = self.args.dataloader_drop_last
+        self.args.dataloader_drop_last = False
+        try:
+            return self._shard_by_dp(super().get_eval_dataloader(eval_dataset))
+        finally:
+            self.args.dataloader_drop_last = drop_last
 
     def get_test_dataloader(self, test_dataset: Any) -> Any:
         return self._shard_by_dp(super().get_test_dataloader(test_dataset))
@@ -141,6 +148,10 @@ class UlyssesTrainerMixin:
         for shard in (getattr(loader, "batch_sampler", None), getattr(loader, "dataset", None)):
             if isinstance(shard, (BatchSamplerShard, IterableDatasetShard)):
                 shard.num_processes, shard.process_index = self.sp_mesh.dp_size, self.sp_mesh.dp_rank
+            if isinstance(shard, BatchSamplerShard) and self.sp_mesh.dp_size == 1:
+                # one replica: nothing to even out. accelerate's even_batches would complete the last
+                # batch with rows from the start, counting them twice (eval_loss != one process)
+                shard.even_batches = False
         return loader
 
     def _shard(self, batch: Mapping[str, Any]) -> ShardedBatch:

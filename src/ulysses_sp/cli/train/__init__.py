@@ -96,9 +96,16 @@ def format_summary(summary: dict, output_dir) -> str:
     final, first = summary.get("final") or {}, summary.get("first") or {}
     lines = [f"done in {summary['train_seconds']:.0f} s: {output_dir}/ (model, metrics.jsonl, metrics.png, run.json)"]
     if final:
-        lines.append(f"  loss {first.get('loss', float('nan')):.3f} -> {final['loss']:.3f}, "
-                     f"{final['tokens_per_second']:.0f} tokens/s, peak memory/rank "
+        speed = f", {final['tokens_per_second']:.0f} tokens/s" if "tokens_per_second" in final else ""
+        lines.append(f"  loss {first.get('loss', float('nan')):.3f} -> {final['loss']:.3f}{speed}, peak memory/rank "
                      + ", ".join(f"{m / 2**30:.2f}" for m in final["peak_memory_bytes_per_rank"]) + " GiB")
+    if summary.get("final_eval"):
+        evals = {k: v for k, v in summary["final_eval"].items() if k.endswith("_loss")}
+        lines.append("  " + ", ".join(f"{k} {v:.4f}" for k, v in evals.items()) + f" (step {summary['final_eval']['step']})")
+    if summary.get("data"):
+        d = summary["data"]
+        lines.append(f"  data: {d['documents']} documents, {d['tokens_in_data']} tokens; {d['tokens_per_epoch']} tokens "
+                     "trained per epoch")
     if "accuracy" in final:
         lines.append(f"  copy-task accuracy {first['accuracy']:.3f} -> {final['accuracy']:.3f} "
                      f"(chance {summary['chance_accuracy']:.3f})")

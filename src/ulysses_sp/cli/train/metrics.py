@@ -1,17 +1,27 @@
-"""Metrics of ``ulysses-sp train``: a ``TrainerCallback`` that writes ``metrics.jsonl`` and a progress bar.
+"""Metrics of ``ulysses-sp train``: the Trainer's own logs, completed, into ``metrics.jsonl``; a progress bar.
 
-At every Trainer log (``logging_steps``), on ALL ranks (it runs collectives):
+Every ``Trainer.log`` reaches ``on_log`` on ALL ranks with the same ``logs`` (what ``state.log_history``
+keeps). Each becomes at most one record; world rank 0 appends it unless its ``(split, step)`` is in the
+file already (a resumed run never repeats a step):
 
-    1. accuracy      (embedded task) forward of held-out rows under SP: each rank scores the answer
+    step log     ("loss")        {"split": "train", "step", every key the Trainer logged (epoch, loss,
+                                  grad_norm, learning_rate, num_input_tokens_seen, train_runtime, ...),
+                                  + the keys below}. Collectives (all ranks call them):
+        accuracy     (copy task) forward of held-out rows under SP: each rank scores the answer
                      positions of its own shard, correct / total summed over the SP group
-    2. memory        peak memory of every rank (CUDA max allocated, else the process's peak RSS),
-                     all-gathered
-    3. throughput    tokens since the last log (the Trainer's ``num_input_tokens_seen``, counted once
-                     per SP group) / wall time since the last log
+        memory       ``peak_memory_bytes_per_rank`` (CUDA max allocated, else the process's peak RSS),
+                     all-gathered; ``peak_memory_bytes`` is their max
+        throughput   ``tokens_per_second``: tokens since the previous step log (``num_input_tokens_seen``,
+                     counted once per SP group) / training seconds since it (evaluation time excluded)
+        time         ``elapsed_seconds``: since training began, plus ``elapsed_offset`` (a resumed run)
+    evaluation   ("<split>_loss") {"split": "eval" (``"eval_<name>"`` for a dict of eval datasets), "step",
+                                   the Trainer's keys (eval_loss, eval_runtime, ..., epoch), "elapsed_seconds"}
+    summary      ("train_loss")   kept as ``.summary`` (train_loss, train_runtime, ...), no record
 
-and world rank 0 appends one JSON object per log to ``metrics.jsonl``: ``step``, ``loss``,
-``grad_norm``, ``learning_rate``, ``epoch``, ``accuracy`` (task only), ``tokens_per_second``,
-``peak_memory_bytes`` (max over ranks), ``peak_memory_bytes_per_rank``, ``elapsed_seconds``.
+The last step always has a record: ``on_step_end`` asks the Trainer to log the step that reaches
+``max_steps`` (a run shorter than ``logging_steps`` gets one record, hence a plot). If training stops
+elsewhere before a log (another callback's early stop), the summary's ``train_loss`` gives the mean
+loss of the unlogged steps and that record is written (without grad_norm).
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ from transformers import TrainerCallback
 
 from ulysses_sp import IGNORE_INDEX as IGNORE
 from ulysses_sp import all_reduce_sum, gather_signature
+from ulysses_sp.cli.train.plot import GIB, read_metrics, record_split
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -71,57 +82,65 @@ class MetricsCallback(TrainerCallback):
     """Writes ``metrics.jsonl`` (world rank 0) and draws a progress bar on stderr.
 
     Args:
-        path: the JSONL file.
+        path: the JSONL file (appended to: a resumed run continues it).
         eval_rows: held-out task rows for :func:`answer_accuracy` (None: no accuracy).
-        ulysses_fn: returns the trainer's registered ``UlyssesSP`` (set after the trainer exists).
         progress: draw the bar (world rank 0 only).
+        elapsed_offset: seconds an earlier run trained (resume), added to ``elapsed_seconds``.
+
+    Set ``.ulysses`` (the trainer's registered ``UlyssesSP``) once the trainer exists. ``.records``:
+    the records this process wrote; ``.summary``: the Trainer's end-of-training logs (every rank).
     """
 
     def __init__(self, path: Path, eval_rows: Mapping[str, torch.Tensor] | None, progress: bool = True,
                  elapsed_offset: float = 0.0) -> None:
         self.path = Path(path)
-        self.elapsed_offset = elapsed_offset  # seconds an earlier, resumed run had trained
         self.eval_rows = eval_rows
         self.progress = progress
+        self.elapsed_offset = elapsed_offset
         self.ulysses: Any = None
         self.bar: Any = None
-        self._last = (0.0, 0)  # (time, tokens) at the previous log
-        self._start = 0.0
         self.records: list[dict[str, Any]] = []
+        self.summary: dict[str, Any] | None = None
+        self._start: float | None = None  # perf_counter at train begin
+        self._last = (0.0, 0)  # (time, tokens) at the previous step log
+        self._first_step = self._logged_step = 0  # step at train begin / at the last step log
+        self._logged_loss = 0.0  # sum of loss x steps of the step logs since train begin
+        self._seen: set[tuple[str, Any]] | None = None  # (split, step) in the file (rank 0)
+        self._shown: dict[str, Any] = {}  # what the bar shows
 
     def on_train_begin(self, args, state, control, **kwargs):
         self._start = time.perf_counter()
         self._last = (self._start, state.num_input_tokens_seen)
+        self._first_step = self._logged_step = state.global_step  # > 0 when resumed
+        self._logged_loss = 0.0
         if self.progress and state.is_world_process_zero:
             from tqdm.auto import tqdm
 
-            self.bar = tqdm(total=state.max_steps, desc="train", dynamic_ncols=True, file=sys.stderr)
+            self.bar = tqdm(total=state.max_steps, initial=state.global_step, desc="train", dynamic_ncols=True,
+                            file=sys.stderr)
 
     def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step >= state.max_steps:
+            control.should_log = True  # the last step, also when logging_steps would skip it
         if self.bar is not None:
             self.bar.update(state.global_step - self.bar.n)
 
     def on_log(self, args, state, control, logs=None, model=None, **kwargs):
-        logs = logs or {}
-        if "loss" not in logs:  # the end-of-training summary or an evaluation: not a step record
-            return
-        record: dict[str, Any] = {"step": state.global_step}
-        record.update({k: logs[k] for k in ("loss", "grad_norm", "learning_rate", "epoch") if k in logs})
-        if self.eval_rows is not None and model is not None and self.ulysses is not None:
-            record["accuracy"] = answer_accuracy(model, self.eval_rows, self.ulysses)
-        now, tokens = time.perf_counter(), state.num_input_tokens_seen
-        record["tokens_per_second"] = (tokens - self._last[1]) / max(now - self._last[0], 1e-9)
-        self._last = (now, tokens)
-        per_rank = _all_gather_int(peak_memory_bytes(args.device))
-        record["peak_memory_bytes"] = max(per_rank)
-        record["peak_memory_bytes_per_rank"] = per_rank
-        record["elapsed_seconds"] = self.elapsed_offset + now - self._start
-        if state.is_world_process_zero:
-            self.records.append(record)
-            with self.path.open("a") as f:
-                f.write(json.dumps(record) + "\n")
-            if self.bar is not None:
-                self.bar.set_postfix_str(format_postfix(record), refresh=True)
+        logs = dict(logs or {})
+        if "loss" in logs:
+            self._count_loss(state.global_step, logs["loss"])
+            record = {"split": "train", "step": state.global_step, **logs}
+            self._write(state, {**record, **self._train_extras(args, state, model)})
+        elif "train_loss" in logs:
+            self.summary = logs
+            self._record_unlogged_end(args, state, logs, model, kwargs.get("lr_scheduler"))
+        elif record_split(logs) != "train":  # an evaluation: <split>_loss
+            split = record_split(logs)
+            now = time.perf_counter()
+            if self._start is not None:  # evaluation inside training: not training time for tokens/s
+                self._last = (self._last[0] + float(logs.get(f"{split}_runtime", 0.0)), self._last[1])
+            self._write(state, {"split": split, "step": state.global_step, **logs,
+                                "elapsed_seconds": self._elapsed(now)})
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.bar is not None:
@@ -129,14 +148,79 @@ class MetricsCallback(TrainerCallback):
             self.bar.close()
             self.bar = None
 
+    def _count_loss(self, step: int, loss: float) -> None:
+        self._logged_loss += float(loss) * (step - self._logged_step)
+        self._logged_step = step
+
+    def _record_unlogged_end(self, args, state, summary: Mapping[str, Any], model, lr_scheduler) -> None:
+        """Training ended after the last step log: a step record from the summary (all ranks call this).
+
+        The Trainer's ``train_loss`` is the mean step loss since train begin, so the steps after the
+        last log had mean ``(train_loss x steps trained - sum of logged loss x steps) / unlogged steps``.
+        """
+        step = state.global_step
+        if self._start is None or step <= self._logged_step:
+            return
+        trained = summary["train_loss"] * (step - self._first_step)
+        loss = (trained - self._logged_loss) / (step - self._logged_step)
+        self._count_loss(step, loss)
+        record: dict[str, Any] = {"split": "train", "step": step, "epoch": summary.get("epoch", state.epoch),
+                                  "loss": loss}
+        if hasattr(lr_scheduler, "get_last_lr"):
+            record["learning_rate"] = float(lr_scheduler.get_last_lr()[0])
+        self._write(state, {**record, **self._train_extras(args, state, model)})
+
+    def _train_extras(self, args, state, model) -> dict[str, Any]:
+        """accuracy, tokens/s, peak memory, elapsed time of a step record (collectives: every rank)."""
+        now, tokens = time.perf_counter(), state.num_input_tokens_seen
+        extras: dict[str, Any] = {}
+        if self.eval_rows is not None and model is not None and self.ulysses is not None:
+            extras["accuracy"] = answer_accuracy(model, self.eval_rows, self.ulysses)
+        if getattr(args, "include_num_input_tokens_seen", "no") not in ("no", False):
+            extras["tokens_per_second"] = (tokens - self._last[1]) / max(now - self._last[0], 1e-9)
+        per_rank = _all_gather_int(peak_memory_bytes(args.device))
+        extras["peak_memory_bytes"] = max(per_rank)
+        extras["peak_memory_bytes_per_rank"] = per_rank
+        extras["elapsed_seconds"] = self._elapsed(now)
+        self._last = (time.perf_counter(), tokens)  # the accuracy forward is not training time either
+        return extras
+
+    def _elapsed(self, now: float) -> float:
+        return self.elapsed_offset + (now - self._start if self._start is not None else 0.0)
+
+    def _write(self, state, record: dict[str, Any]) -> None:
+        """World rank 0: append ``record`` unless its (split, step) is in the file already."""
+        if not state.is_world_process_zero:
+            return
+        if self._seen is None:
+            earlier = read_metrics(self.path) if self.path.exists() else []
+            self._seen = {(record_split(r), r.get("step")) for r in earlier}
+        key = (record["split"], record["step"])
+        if key in self._seen:
+            return
+        self._seen.add(key)
+        self.records.append(record)
+        with self.path.open("a") as f:
+            f.write(json.dumps(record, default=_jsonable) + "\n")
+        if record["split"] == "train":
+            self._shown.update(record)
+        elif record["split"] == "eval":
+            self._shown["eval_loss"] = record.get("eval_loss")
+        if self.bar is not None:
+            self.bar.set_postfix_str(format_postfix(self._shown), refresh=True)
+
 
 def format_postfix(record: Mapping[str, Any]) -> str:
-    """``loss 0.123 acc 0.98 tok/s 5.2k mem/rank 0.61,0.60 GB`` for the progress bar."""
-    parts = [f"loss {record['loss']:.3f}"]
-    if "accuracy" in record:
-        parts.append(f"acc {record['accuracy']:.2f}")
-    parts.append(f"tok/s {record['tokens_per_second'] / 1e3:.1f}k")
-    parts.append("mem/rank " + ",".join(f"{m / 2**30:.2f}" for m in record["peak_memory_bytes_per_rank"]) + " GB")
+    """``loss 0.123 eval 0.130 acc 0.98 lr 2.0e-04 tok/s 5.2k mem/rank 0.61,0.60 GiB`` (the keys present)."""
+    parts = []
+    for key, fmt in (("loss", "loss {:.3f}"), ("eval_loss", "eval {:.3f}"), ("accuracy", "acc {:.2f}"),
+                     ("learning_rate", "lr {:.1e}")):
+        if isinstance(record.get(key), (int, float)):
+            parts.append(fmt.format(record[key]))
+    if isinstance(record.get("tokens_per_second"), (int, float)):
+        parts.append(f"tok/s {record['tokens_per_second'] / 1e3:.1f}k")
+    if record.get("peak_memory_bytes_per_rank"):
+        parts.append("mem/rank " + ",".join(f"{m / GIB:.2f}" for m in record["peak_memory_bytes_per_rank"]) + " GiB")
     return " ".join(parts)
 
 
@@ -145,3 +229,8 @@ def _all_gather_int(value: int) -> list[int]:
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return [value]
     return [row[0] for row in gather_signature([value])]
+
+
+def _jsonable(value: Any) -> Any:
+    """Tensors / numpy values a custom Trainer might log, as JSON numbers or lists."""
+    return value.tolist() if hasattr(value, "tolist") else str(value)

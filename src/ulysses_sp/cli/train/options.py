@@ -236,6 +236,10 @@ def parse(argv: list[str], use_cuda: bool | None = None):
     defaults = dict(training_defaults(argv))
     if use_cuda is not None:
         defaults.update(use_cpu=not use_cuda, ddp_backend="nccl" if use_cuda else "gloo")
+    else:  # before launch: a machine without CUDA trains on CPU (so --bf16 validates there, as in the workers)
+        import torch
+
+        defaults.update(use_cpu=not torch.cuda.is_available())
     parser = build_parser(defaults)
     *parsed, remaining = parser.parse_args_into_dataclasses(argv, return_remaining_strings=True)
     if remaining:

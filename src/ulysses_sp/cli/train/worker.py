@@ -171,7 +171,7 @@ def _train(margs, spargs, targs, output_dir: str) -> dict[str, Any] | None:
     dist.barrier()
     summary = None
     if rank0:
-        summary = _finish(margs, spargs, seconds, staging, final, data_summary)
+        summary = _finish(margs, spargs, seconds, staging, final, data_summary, callback.summary)
     dist.barrier()
     dist.destroy_process_group()
     return summary
@@ -213,12 +213,15 @@ def _prepare_staging(staging: Path, resume_from: str | None) -> float:
     return max((float(r.get("elapsed_seconds", 0.0)) for r in records), default=0.0)
 
 
-def _finish(margs, spargs, seconds: float, staging: Path, final: Path, data_summary: dict | None) -> dict[str, Any]:
+def _finish(margs, spargs, seconds: float, staging: Path, final: Path, data_summary: dict | None,
+            trainer_summary: dict | None = None) -> dict[str, Any]:
     """Rank 0: run.json + metrics.png into ``staging``, then rename it to ``final``."""
-    from ulysses_sp.cli.train.plot import plot_metrics, read_metrics
+    from ulysses_sp.cli.train.plot import plot_metrics, read_metrics, record_split
 
     path = staging / "metrics.jsonl"
     records = read_metrics(path) if path.exists() else []  # the whole run, also when resumed
+    train = [r for r in records if record_split(r) == "train"]
+    evals = [r for r in records if record_split(r) != "train"]
 
     world = dist.get_world_size()
     chance = CopyTask(margs.seq_len, margs.task_vocab_size).chance_accuracy if margs.uses_task else None
@@ -228,7 +231,8 @@ def _finish(margs, spargs, seconds: float, staging: Path, final: Path, data_summ
         "task": "copy" if margs.uses_task else None, "chance_accuracy": chance,
         "model": margs.model or "embedded-llama", "dataset": margs.dataset, "data": data_summary,
         "lora_r": margs.lora_r or None,
-        "final": records[-1] if records else None, "first": records[0] if records else None,
+        "final": train[-1] if train else None, "first": train[0] if train else None,
+        "final_eval": evals[-1] if evals else None, "trainer_summary": trainer_summary,
     }
     if records:
         data = "copy task" if margs.uses_task else ", ".join(Path(d).name for d in margs.dataset or [])
