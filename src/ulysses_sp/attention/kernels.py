@@ -27,6 +27,7 @@ from ulysses_sp.attention.masks import GlobalMask
 from ulysses_sp.config import ATTN_IMPLEMENTATIONS
 
 Kernel = Callable[..., torch.Tensor]
+_FLEX_BLOCK = 128  # flex_attention's default sparse block size
 
 
 def _repeat_kv(x_BkSH: torch.Tensor, n: int) -> torch.Tensor:
@@ -35,33 +36,86 @@ def _repeat_kv(x_BkSH: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def sdpa(q, k, v, mask: GlobalMask, *, scaling=None, sliding_window=None, softcap=None, dropout=0.0):
-    """``torch.nn.functional.scaled_dot_product_attention``.
+    """``torch.nn.functional.scaled_dot_product_attention``; no S x S mask on any path.
 
-    Plain causal -> ``is_causal=True`` (no mask tensor); packed documents without padding or window
-    -> one ``is_causal`` call per document (no S x S mask); otherwise a dense bool mask.
+    1. plain causal (or nothing masked)    -> one call, ``is_causal`` (no mask tensor)
+    2. packed documents, no padding        -> one ``is_causal`` call per document
+    3. padding (and documents)             -> per row, the valid tokens gathered side by side
+                                              (:meth:`GlobalMask.compacted`), one call per document;
+                                              a padding query sees only itself: its output is its value
+    4. sliding window ``w`` (anything else) -> query blocks of ``t`` rows attend to keys
+                                              ``[start - w + 1, end)`` with a ``(t, t + w - 1)``
+                                              block of the global rule (:func:`sdpa_windowed`)
+
+    Mask memory is O(B*S) plus one block; the kernels' own work is per call.
     """
     if softcap is not None:
         raise ValueError("sdpa cannot apply attention logit softcapping; use 'eager', 'flex_attention' or flash-attention.")
-    gqa = q.shape[1] != k.shape[1]
-    kw = dict(dropout_p=dropout, scale=scaling, enable_gqa=gqa)
-    if sliding_window is None and mask.is_plain_causal:
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, **kw)
-    elif sliding_window is None and mask.causal and mask.valid is None:
+    kw = dict(dropout_p=dropout, scale=scaling, enable_gqa=q.shape[1] != k.shape[1])
+    S = q.shape[2]
+    if sliding_window is not None and sliding_window < S:
+        o = sdpa_windowed(q, k, v, mask, sliding_window, block_rows=min(max(sliding_window, 128), 1024), **kw)
+    elif mask.document_ids is None and mask.valid is None:
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=mask.causal, **kw)
+    elif mask.valid is None:
         rows = []
         for b, segments in enumerate(mask.segments()):
             parts = [
-                F.scaled_dot_product_attention(q[b : b + 1, :, a:e], k[b : b + 1, :, a:e], v[b : b + 1, :, a:e], is_causal=True, **kw)
+                F.scaled_dot_product_attention(
+                    q[b : b + 1, :, a:e], k[b : b + 1, :, a:e], v[b : b + 1, :, a:e], is_causal=mask.causal, **kw
+                )
                 for a, e in segments
             ]
             rows.append(torch.cat(parts, dim=2))
         o = torch.cat(rows, dim=0)
     else:
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense(q.device, sliding_window), **kw)
+        o = _sdpa_compacted(q, k, v, mask, **kw)
     return o.transpose(1, 2)
 
 
+def _sdpa_compacted(q, k, v, mask: GlobalMask, **kw) -> torch.Tensor:
+    """``(B,n,S,H)``: per row, attention among the valid tokens (one call per document run);
+    padding positions take their own value (``softmax`` over one key is 1)."""
+    n = q.shape[1]
+    rows = []
+    for b, (index, runs) in enumerate(mask.compacted(q.device)):
+        own = _repeat_kv(v[b : b + 1], n)
+        if not runs:
+            rows.append(own)
+            continue
+        q_b, k_b, v_b = (t[b : b + 1].index_select(2, index) for t in (q, k, v))
+        parts = [
+            F.scaled_dot_product_attention(q_b[:, :, a:e], k_b[:, :, a:e], v_b[:, :, a:e], is_causal=mask.causal, **kw)
+            for a, e in runs
+        ]
+        rows.append(own.index_copy(2, index, torch.cat(parts, dim=2)))
+    return torch.cat(rows, dim=0)
+
+
+def sdpa_windowed(q, k, v, mask: GlobalMask, window: int, *, block_rows: int, **kw) -> torch.Tensor:
+    """``(B,n,S,Hv)`` sliding-window attention as query blocks, never an S x S mask.
+
+    Query rows ``[a, e)`` can only reach keys ``[a - w + 1, e)`` (causal) or ``[a - w + 1, S)``
+    (not causal); each block is one SDPA call with the ``(B or 1, 1, e - a, reach)`` block of
+    the global rule (:meth:`GlobalMask.block`: window, documents, padding). Every query sees at
+    least itself, so no row is empty. Work and memory O(S * (block_rows + w)).
+    """
+    S = q.shape[2]
+    parts = []
+    for a in range(0, S, block_rows):
+        e = min(S, a + block_rows)
+        c0, c1 = max(0, a - window + 1), e if mask.causal else S
+        allowed = mask.block(a, c0, e - a, c1 - c0, q.device, window)[:, None]
+        parts.append(F.scaled_dot_product_attention(q[:, :, a:e], k[:, :, c0:c1], v[:, :, c0:c1], attn_mask=allowed, **kw))
+    return torch.cat(parts, dim=2)
+
+
 def eager(q, k, v, mask: GlobalMask, *, scaling=None, sliding_window=None, softcap=None, dropout=0.0):
-    """Explicit ``softmax(q k^T * scaling) v`` in fp32 softmax; supports softcapping."""
+    """Explicit ``softmax(q k^T * scaling) v`` in fp32 softmax; supports softcapping.
+
+    The small-S fallback: it builds the dense ``(B, 1, S, S)`` mask (:meth:`GlobalMask.dense`) and
+    ``(B, n, S, S)`` scores, O(S^2) memory by nature. Use sdpa, flex or flash-attention for long S.
+    """
     n = q.shape[1]
     k, v = _repeat_kv(k, n), _repeat_kv(v, n)
     scale = scaling if scaling is not None else 1.0 / math.sqrt(q.shape[-1])
@@ -77,13 +131,17 @@ def eager(q, k, v, mask: GlobalMask, *, scaling=None, sliding_window=None, softc
 
 
 def flex_attention(q, k, v, mask: GlobalMask, *, scaling=None, sliding_window=None, softcap=None, dropout=0.0):
-    """``torch.nn.attention.flex_attention`` with a block mask (no S x S tensor). Forward-only on CPU."""
-    from torch.nn.attention.flex_attention import create_block_mask
+    """``torch.nn.attention.flex_attention`` with a block mask (no S x S tensor). Forward-only on CPU.
+
+    The block mask comes from :meth:`GlobalMask.flex_blocks` (128 query rows at a time), not from
+    ``create_block_mask``, which evaluates ``mask_mod`` on a dense ``(B, 1, S, S)`` grid.
+    """
+    from torch.nn.attention.flex_attention import BlockMask
     from torch.nn.attention.flex_attention import flex_attention as flex
 
     if dropout:
         raise ValueError("flex_attention has no attention dropout; set attention_dropout=0.")
-    B, S = q.shape[0], q.shape[2]
+    S = q.shape[2]
 
     def build():
         doc = mask.document_ids.to(q.device) if mask.document_ids is not None else None
@@ -96,13 +154,13 @@ def flex_attention(q, k, v, mask: GlobalMask, *, scaling=None, sliding_window=No
             if doc is not None:
                 ok = ok & (doc[b, qi] == doc[b, ki])
             if valid is not None:
-                ok = (ok & valid[b, ki]) | ((qi == ki) & ~valid[b, qi])
+                ok = (ok & valid[b, ki] & valid[b, qi]) | ((qi == ki) & ~valid[b, qi])
             return ok
 
-        per_row = doc is not None or valid is not None
-        return create_block_mask(mask_mod, B if per_row else None, None, S, S, device=q.device)
+        blocks = mask.flex_blocks(q.device, sliding_window, _FLEX_BLOCK)
+        return BlockMask.from_kv_blocks(*blocks, BLOCK_SIZE=_FLEX_BLOCK, mask_mod=mask_mod, seq_lengths=(S, S))
 
-    block_mask = mask.cached(("flex", str(q.device), sliding_window, B), build)
+    block_mask = mask.cached(("flex", str(q.device), sliding_window), build)
     score_mod = None
     if softcap is not None:
         def score_mod(score, b, h, qi, ki):

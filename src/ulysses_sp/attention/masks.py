@@ -5,14 +5,17 @@ Shape legend: B batch, S global sequence length.
 A :class:`GlobalMask` holds O(B*S) data (document ids, padding), never an S x S matrix. Kernels ask
 it for the form they can use, each built once per step and cached on the object:
 
-    ==================  =====================================================  ============
-    kernel              form                                                   memory
-    ==================  =====================================================  ============
-    flash varlen        ``cu_seqlens`` over the flattened batch                 O(docs)
-    sdpa                per-document ``is_causal`` calls, or a dense bool mask  O(S) / O(S^2)
-    flex                a block mask from ``mask_mod``                         O(S^2/128^2)
-    eager               dense bool mask                                        O(S^2)
-    ==================  =====================================================  ============
+    ============  ==========================================================  =====================
+    kernel        form                                                        mask memory
+    ============  ==========================================================  =====================
+    flash varlen  ``cu_seqlens`` over the flattened batch                     O(docs)
+    sdpa          per-document calls (:meth:`segments`, :meth:`compacted`);   O(B*S)
+                  with a window: query blocks, one :meth:`block` each         + O(B*t*(t+w)) a block
+    flex          block counts (:meth:`flex_blocks`), built 128 rows a time   O(B*S^2/128^2)
+    eager         dense bool mask (:meth:`dense`), the small-S fallback       O(B*S^2)
+    ============  ==========================================================  =====================
+
+Only :meth:`dense` builds an S x S tensor; every other form is O(B*S) plus one block at a time.
 
 Documents come from global ``position_ids``: a new document starts wherever a position is not the
 previous one plus one (the convention of padding-free / packing collators).
@@ -115,8 +118,8 @@ class GlobalMask:
             allowed = allowed & (doc[:, row0 : row0 + num_rows, None] == doc[:, None, col0 : col0 + num_cols])
         if self.valid is not None:
             valid = self.valid.to(device)
-            own = (i == j) & ~valid[:, row0 : row0 + num_rows, None]
-            allowed = (allowed & valid[:, None, col0 : col0 + num_cols]) | own
+            valid_rows = valid[:, row0 : row0 + num_rows, None]
+            allowed = (allowed & valid_rows & valid[:, None, col0 : col0 + num_cols]) | ((i == j) & ~valid_rows)
         return allowed
 
     def segments(self) -> list[list[tuple[int, int]]]:
@@ -139,6 +142,66 @@ class GlobalMask:
             starts = change.nonzero().flatten().tolist() + [self.seq_len]
             rows.append(list(zip(starts[:-1], starts[1:])))
         return rows
+
+    def compacted(self, device: torch.device) -> list[tuple[torch.Tensor, list[tuple[int, int]]]]:
+        """Per row, the real (non-padding) tokens side by side and their documents among them.
+
+        Returns, for each row, ``(index, runs)``: ``index`` the int64 positions of the row's valid
+        tokens on ``device`` (in order) and ``runs`` the ``(start, end)`` spans of one document in
+        that compacted order. Dropping the padding keys keeps the order of the rest, so "causal
+        within the document, valid keys only" is plain causal attention inside each run, wherever
+        the padding sat (left, right or inside a document). Padding queries are not in ``index``:
+        they see only themselves.
+        """
+        return self.cached(("compacted", str(device)), lambda: self._build_compacted(device))
+
+    def _build_compacted(self, device: torch.device) -> list[tuple[torch.Tensor, list[tuple[int, int]]]]:
+        valid = self.valid.cpu() if self.valid is not None else torch.ones(1, self.seq_len, dtype=torch.bool)
+        docs = self.document_ids.cpu() if self.document_ids is not None else torch.zeros_like(valid, dtype=torch.long)
+        valid, docs = torch.broadcast_tensors(valid, docs)
+        rows = []
+        for b in range(valid.shape[0]):
+            index = valid[b].nonzero().flatten()
+            doc = docs[b, index]
+            starts = [0] + (torch.nonzero(doc[1:] != doc[:-1]).flatten() + 1).tolist() + [len(index)]
+            rows.append((index.to(device), list(zip(starts[:-1], starts[1:])) if len(index) else []))
+        return rows
+
+    def flex_blocks(
+        self, device: torch.device, window: int | None = None, block_size: int = 128
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The block sparsity of flex attention without the S x S mask.
+
+        Returns ``(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)`` with shapes
+        ``(B or 1, 1, Qb)`` / ``(B or 1, 1, Qb, Kb)`` (int32, ``Qb = Kb = ceil(S / block_size)``),
+        the arguments of ``BlockMask.from_kv_blocks`` and what ``create_block_mask`` computes, but
+        one row of blocks at a time: :meth:`block` over ``block_size`` query rows and only the key
+        columns they can reach (causal: up to the block's end; window: from ``start - w + 1``), so
+        the largest temporary is ``(B, block_size, reach)`` bools. A block is *full* when every
+        entry is allowed (a ragged last block never is, as in ``create_block_mask``).
+        """
+        S, t = self.seq_len, block_size
+        num = -(-S // t)
+        rows = max(t.shape[0] if t is not None else 1 for t in (self.document_ids, self.valid))
+        partial = torch.zeros(rows, num, num, dtype=torch.int8, device=device)
+        full = torch.zeros_like(partial)
+        for qb in range(num):
+            r0, r1 = qb * t, min(S, qb * t + t)
+            c0 = 0 if window is None else max(0, r0 - window + 1) // t * t
+            c1 = min(S, r1) if self.causal else S
+            allowed = self.block(r0, c0, r1 - r0, c1 - c0, device, window)
+            padded = torch.zeros(allowed.shape[0], t, -(-(c1 - c0) // t) * t, dtype=torch.bool, device=device)
+            padded[:, : r1 - r0, : c1 - c0] = allowed
+            count = padded.view(allowed.shape[0], t, -1, t).sum(dim=(1, 3))  # (B or 1, key blocks in reach)
+            kb = slice(c0 // t, c0 // t + count.shape[1])
+            partial[:, qb, kb] = ((count > 0) & (count < t * t)).to(torch.int8)
+            full[:, qb, kb] = (count == t * t).to(torch.int8)
+
+        def ordered(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            order = torch.argsort(blocks, dim=-1, descending=True, stable=True)
+            return blocks.sum(-1, dtype=torch.int32)[:, None], order.to(torch.int32)[:, None]
+
+        return (*ordered(partial), *ordered(full))
 
     def cu_seqlens(self, batch_size: int, device: torch.device) -> tuple[torch.Tensor, int]:
         """``(int32 offsets, max length)`` of the segments over the flattened ``(B*S)`` tokens.

@@ -23,8 +23,9 @@ built by the model (no ``attention_mask`` is passed), so no per-layer or per-ran
 
 from __future__ import annotations
 
+import contextlib
 import itertools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -335,35 +336,56 @@ class UlyssesSP:
         self, model: torch.nn.Module, batch: Mapping[str, Any], num_items_in_batch: int | torch.Tensor, *,
         grad_average_world: int | None = None,
     ) -> torch.Tensor:
-        """Forward ``model`` (or its DDP wrapper) on a sharded batch and return :meth:`loss`.
+        """Forward ``model`` (or its DDP / FSDP2 / DeepSpeed wrapper) on a sharded batch and return :meth:`loss`.
 
-        With ``config.tiled_loss_tokens``, lm_head and cross entropy run in token tiles (``tiled_token_loss``):
-        the model is called with ``logits_to_keep=1`` (logits of one token only), the decoder's
-        final hidden states ``(B, s, D)`` are taken from a forward hook, and the ``(B, s, V)``
-        logits never exist. Final logit softcapping (Gemma2) and an lm_head bias are applied.
+        With ``config.tiled_loss_tokens``, lm_head and cross entropy run in token tiles (``tiled_token_loss``)
+        and the ``(B, s, V)`` logits never exist:
+
+        1. for this call, lm_head's ``forward`` becomes one that takes the final hidden states
+           ``(B, s, D)`` and returns the tiled loss (shape ``(1, 1, 1)``) instead of logits;
+        2. the model runs as usual, so lm_head's weight is whatever the wrapper's own hooks made it
+           for the module's forward (FSDP2 unshards, ZeRO-3 gathers); it is never read sharded;
+        3. the returned loss is ``tiled + 0 * model_output``: equal to the tiled loss, and the
+           backward passes through the model's output, where the wrappers hook their backward
+           (re-gather lm_head, then one gradient reduction, as for untiled logits).
+
+        Final logit softcapping (Gemma2) and an lm_head bias are applied inside the tiles.
         """
         tile_tokens = self.config.tiled_loss_tokens
         if tile_tokens is None:
             return self.loss(model(**self.model_inputs(batch)).logits, batch, num_items_in_batch, grad_average_world)
-        captured: list[torch.Tensor] = []
-
-        def keep_hidden(module: torch.nn.Module, args: Any, output: Any) -> None:
-            captured.append(output[0] if isinstance(output, tuple) else output.last_hidden_state)
-
-        handle = self.base.get_decoder().register_forward_hook(keep_hidden)
-        try:
-            model(**self.model_inputs(batch), logits_to_keep=1)
-        finally:
-            handle.remove()
-        head = self.base.get_output_embeddings()
-        if head.weight.numel() == 0 or type(head.weight).__name__ == "DTensor":
-            raise ValueError(
-                "tiled_loss_tokens needs the full lm_head weight outside the model's forward, but it is sharded "
-                "(FSDP2 / ZeRO-3); set UlyssesSPConfig(tiled_loss_tokens=None) with those, or use DDP / ZeRO-1/2."
-            )
         world = grad_average_world if grad_average_world is not None else self.mesh.dp_size * self.mesh.sp_size
         softcap = getattr(self.base.config.get_text_config(), "final_logit_softcapping", None)
-        return tiled_token_loss(
-            captured[-1], head.weight, batch["shift_labels"], num_items_in_batch, grad_average_world=world,
-            tile_tokens=tile_tokens, lm_head_bias=head.bias, final_logit_softcapping=softcap,
-        )
+        head = self.base.get_output_embeddings()
+        losses: list[torch.Tensor] = []
+
+        def tiled_head(hidden_BsD: torch.Tensor) -> torch.Tensor:
+            losses.append(tiled_token_loss(
+                hidden_BsD, head.weight, batch["shift_labels"], num_items_in_batch, grad_average_world=world,
+                tile_tokens=tile_tokens, lm_head_bias=head.bias, final_logit_softcapping=softcap,
+            ))
+            return losses[-1].view(1, 1, 1).clone()  # not a view: wrappers hook the output's backward
+
+        with _forward_replaced(head, tiled_head):
+            output = model(**self.model_inputs(batch))
+        if len(losses) != 1:
+            raise ValueError(
+                f"tiled_loss_tokens: {type(self.base).__name__} called its lm_head {len(losses)} times in one forward; "
+                "only causal LMs that apply lm_head once to the final hidden states can tile the loss."
+            )
+        return losses[0] + output.logits.sum() * 0
+
+
+@contextlib.contextmanager
+def _forward_replaced(module: torch.nn.Module, forward: Callable[..., Any]) -> Iterator[None]:
+    """Run ``module`` with ``forward`` as its forward (an instance attribute: the class, its hooks and
+    any wrapper hooks stay as they are); the original forward is back on exit."""
+    own = module.__dict__.get("forward")
+    module.forward = forward
+    try:
+        yield
+    finally:
+        if own is None:
+            del module.forward
+        else:
+            module.forward = own

@@ -20,15 +20,28 @@ One step with gradient checkpointing passes three candidate peaks; the largest i
     grads phase  all parameter grads + 2*T*D*e (the embedding's incoming grad)
 
     ckpt = L * T * D * e   the checkpointed layer inputs (0 on the device with offload: they are
-                           in host memory; on a CPU-only machine the host IS the device)
+                           in host memory, and the layer being recomputed brings its input back:
+                           + T*D*e in the layer phase; on a CPU-only machine the host IS the device)
+
+GPU terms (``MemoryFeatures.kernel_workspace``, what CUDA attention kernels allocate in backward):
+an fp32 ``dq`` accumulator ``4*NH`` and, with GQA (K < N), ``dk``/``dv`` expanded to the N query
+heads ``2*NH*e`` per token (flash-attention 2's ``mha_bwd``; under Ulysses on ``N/P`` heads x ``S``
+tokens, the same bytes per local token). Sharded states (``state_shards > 1`` or
+``offload_params``): the wrapper gathers one layer's weights for the layer phase and lm_head's
+for the loss phase. ``offload_optimizer`` (ZeRO-Offload / CPU Adam): fp32 master weights, Adam
+states and the fp32 gradient partition live in host memory; the device keeps no gradients between
+buckets. ``offload_params``: the weight partitions live in host memory too. ``host_bytes`` sums
+everything offloaded per rank.
 
 Tiled MLP replaces the ``T`` of the MLP term by ``min(T, B * t)``. Without checkpointing every
 layer keeps its saved tensors (``L`` times the layer term, no recompute). MoE blocks: ``I`` is
 ``top_k * moe_intermediate`` (+ the shared expert's), an estimate not checked by measurement.
 The coefficients come from counting the tensors autograd keeps for a Llama layer (fp32 CPU run,
 SDPA flash kernel: no S x S term); ``benchmarks/memory_ablation.py`` prints them against
-measured peaks. Not modelled: allocator fragmentation / caching (CUDA reserves more than it
-allocates), S x S attention masks (eager kernels, padding masks), CUDA workspaces.
+measured peaks. Not modelled term by term: allocator fragmentation / caching (CUDA reserves more
+than it allocates), the eager kernel's S x S mask and scores (the other kernels keep masks O(S)),
+CUDA context and library workspaces; :meth:`MemoryBreakdown.required_bytes` covers them with a
+scale and a reserve (``ulysses-sp plan`` calibrates both on GPU runs, ``docs/memory.md``).
 """
 
 from __future__ import annotations
@@ -87,6 +100,9 @@ class MemoryFeatures:
         tiled_mlp_tokens: tile of the tiled MLP (None: untiled).
         offload: checkpointed layer inputs in host memory (needs checkpointing).
         host_is_device: the "device" is the CPU (offload cannot free anything there).
+        kernel_workspace: count the CUDA attention kernels' backward workspace (module docstring).
+        offload_optimizer: optimizer states, fp32 master weights and gradients in host memory.
+        offload_params: weight partitions in host memory (ZeRO-3 ``offload_param``).
     """
 
     checkpointing: bool = True
@@ -94,6 +110,9 @@ class MemoryFeatures:
     tiled_mlp_tokens: int | None = None
     offload: bool = False
     host_is_device: bool = False
+    kernel_workspace: bool = False
+    offload_optimizer: bool = False
+    offload_params: bool = False
 
 
 @dataclasses.dataclass
@@ -123,6 +142,13 @@ class MemoryBreakdown:
     def total_bytes(self) -> int:
         return self.peak_bytes + self.static_bytes
 
+    def required_bytes(self, peak_scale: float = 1.0, reserve_bytes: int = 0) -> int:
+        """Device bytes to budget: ``peak * peak_scale + static + reserve``. ``peak_scale`` covers
+        what the terms leave out (allocator fragmentation, kernel temporaries; 1.0 is the CPU
+        calibration), ``reserve_bytes`` what the process holds before any tensor (CUDA context,
+        NCCL and cuBLAS workspaces)."""
+        return math.ceil(self.peak_bytes * peak_scale) + self.static_bytes + reserve_bytes
+
 
 def _elem_bytes(dtype: torch.dtype | str) -> int:
     if isinstance(dtype, str):
@@ -147,46 +173,72 @@ def estimate_peak_memory(
     if optimizer not in ("none", "adam"):
         raise ValueError(f"optimizer must be 'none' or 'adam', got {optimizer!r}.")
     m, e = ModelDims.from_config(config), _elem_bytes(dtype)
-    D, I, V, L, NH, KH = m.hidden, m.intermediate, m.vocab, m.layers, m.heads * m.head_dim, m.kv_heads * m.head_dim
+    D, V, L = m.hidden, m.vocab, m.layers
     T = batch_size * math.ceil(seq_len / sp_size)
-    t_mlp = min(T, batch_size * features.tiled_mlp_tokens) if features.tiled_mlp_tokens else T
-    saved = (4 * D + 3 * NH + 2 * KH) * T * e
-    mlp_live = (6 * I * t_mlp + 2 * D * T) * e
-    attn_live = (2 * NH + 2 * KH + D + ((NH + 2 * KH) if sp_size > 1 else 0)) * T * e
-    layer = saved + max(mlp_live, attn_live)
-    ckpt = L * T * D * e if features.checkpointing else (L - 1) * (saved + 4 * I * T * e)
-    ckpt_on_device = 0 if features.offload and not features.host_is_device else ckpt
+    layer, ckpt = _layer_terms(m, T, e, sp_size, batch_size, features)
+    offloaded = features.offload and not features.host_is_device
+    ckpt_on_device = 0 if offloaded else ckpt
+    restored = T * D * e if offloaded else 0  # the recomputed layer's input, back from the host
     if features.tiled_loss_tokens:
         t = min(T, features.tiled_loss_tokens)
         loss = t * V * 4 + V * D * (4 + e) + 5 * T * D * e
     else:
         loss = 3 * T * V * 4 + (T * V * e if e < 4 else 0) + 5 * T * D * e
-    grads = m.num_params * e // state_shards
-    head_grad = V * D * e // state_shards
+    grads = 0 if features.offload_optimizer else m.num_params * e // state_shards
+    head_grad = 0 if features.offload_optimizer else V * D * e // state_shards
+    gathered = state_shards > 1 or features.offload_params
+    layer_weights = (m.num_params - V * D * (1 if m.tied_embeddings else 2) - D) // L * e if gathered else 0
     terms = {"checkpointed_inputs": ckpt, "layer_backward": layer, "loss": loss, "lm_head_grad": head_grad,
-             "all_grads": grads}
+             "all_grads": grads, "gathered_weights": max(layer_weights, V * D * e if gathered else 0)}
     phases = {
-        "loss": ckpt_on_device + loss,
-        "layer": ckpt_on_device + layer + head_grad,
+        "loss": ckpt_on_device + loss + (V * D * e if gathered else 0),
+        "layer": ckpt_on_device + restored + layer + head_grad + layer_weights,
         "grads": grads + 2 * T * D * e,
     }
-    static = {"weights": m.num_params * e // state_shards}
-    if optimizer == "adam":
-        static["optimizer"] = m.num_params * (8 + (4 if e < 4 else 0)) // state_shards
-    return MemoryBreakdown(phases, terms, static, host_bytes=ckpt - ckpt_on_device)
+    weights = m.num_params * e // state_shards
+    adam = m.num_params * (8 + (4 if e < 4 else 0)) // state_shards if optimizer == "adam" else 0
+    static = {"weights": 0 if features.offload_params else weights}
+    if adam and not features.offload_optimizer:
+        static["optimizer"] = adam
+    host = ckpt - ckpt_on_device
+    if features.offload_optimizer:
+        host += adam + m.num_params * 4 // state_shards  # + the fp32 gradient partition
+    if features.offload_params:
+        host += weights
+    return MemoryBreakdown(phases, terms, static, host_bytes=host)
+
+
+def _layer_terms(
+    m: ModelDims, T: int, e: int, sp_size: int, batch_size: int, features: MemoryFeatures
+) -> tuple[int, int]:
+    """(one layer's backward bytes, checkpointed-inputs bytes) for ``T`` local tokens."""
+    D, I, L, NH, KH = m.hidden, m.intermediate, m.layers, m.heads * m.head_dim, m.kv_heads * m.head_dim
+    t_mlp = min(T, batch_size * features.tiled_mlp_tokens) if features.tiled_mlp_tokens else T
+    saved = (4 * D + 3 * NH + 2 * KH) * T * e
+    mlp_live = (6 * I * t_mlp + 2 * D * T) * e
+    attn_live = (2 * NH + 2 * KH + D + ((NH + 2 * KH) if sp_size > 1 else 0)) * T * e
+    if features.kernel_workspace:
+        attn_live += (4 * NH + (2 * NH * e if KH < NH else 0)) * T
+    layer = saved + max(mlp_live, attn_live)
+    ckpt = L * T * D * e if features.checkpointing else (L - 1) * (saved + 4 * I * T * e)
+    return layer, ckpt
 
 
 def longest_sequence(
     config: Any, sp_size: int, dtype: torch.dtype | str, features: MemoryFeatures, budget_bytes: int, *,
-    granule: int = 64, include_static: bool = True, **kwargs: Any,
+    granule: int = 64, include_static: bool = True, host_budget_bytes: int | None = None, peak_scale: float = 1.0,
+    reserve_bytes: int = 0, **kwargs: Any,
 ) -> int:
     """The longest ``S`` (multiple of ``granule * sp_size``) whose predicted peak fits ``budget_bytes``
-    (0 if none); ``include_static`` counts weights and optimizer states too."""
+    (0 if none); ``include_static`` counts weights and optimizer states too (and then
+    ``peak_scale`` / ``reserve_bytes``, see :meth:`MemoryBreakdown.required_bytes`), and
+    ``host_budget_bytes`` caps what is offloaded to host memory per rank."""
     step = granule * sp_size
 
     def fits(s: int) -> bool:
         b = estimate_peak_memory(config, s, sp_size, dtype, features, **kwargs)
-        return (b.total_bytes if include_static else b.peak_bytes) <= budget_bytes
+        device = b.required_bytes(peak_scale, reserve_bytes) if include_static else b.peak_bytes
+        return device <= budget_bytes and (host_budget_bytes is None or b.host_bytes <= host_budget_bytes)
 
     if not fits(step):
         return 0

@@ -14,6 +14,15 @@ by hand) lets autograd's ``AccumulateGrad`` do the accumulation, so DDP / FSDP g
 once per parameter per step. The tile count is computed locally from the local length; there are
 no collectives inside, so ranks with different lengths cannot deadlock.
 
+DeepSpeed ZeRO-3 partitions parameters in place: a parameter carries ``ds_id`` and is empty
+outside its module's forward / backward. Passed as autograd inputs while empty, they would fix
+their gradient's shape at ``[0]``; so :func:`grad_params` hands them over as ONE non-tensor
+:class:`ZeroParams` argument instead, and each tile's backward runs ``autograd.backward``: the
+recompute calls the MLP's submodules, ZeRO-3's own hooks gather their weights (forward and
+backward), and the tiles' gradients accumulate in ``.grad`` with ``ds_grad_is_ready = False``
+until the last tile, so ZeRO-3 reduces each parameter once (the flag DeepSpeed's own tiled MLP
+sets). DeepSpeed is never imported here; ``ds_id`` is the only thing read.
+
 Contract for ``mlp_forward_fn``: token-wise (output position i depends only on input position i),
 returns one tensor, deterministic (no dropout: the recompute must reproduce the forward).
 """
@@ -52,13 +61,31 @@ class TiledTokensFunction(torch.autograd.Function):
         return (None, dx, None, None, *param_grads)
 
 
+class ZeroParams(tuple):
+    """ZeRO-3 parameters given to a tiled function as one non-tensor argument (module docstring)."""
+
+
+def grad_params(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, list]:
+    """``(x, params)`` to hand a tiled function for ``module``'s trainable parameters.
+
+    Plain parameters are passed as they are. ZeRO-3 ones (``ds_id``) become one
+    :class:`ZeroParams`; as they are then no autograd inputs, an ``x`` without grad becomes a
+    leaf that requires it, so the function still gets a backward.
+    """
+    params = [p for p in module.parameters() if p.requires_grad]
+    if not any(hasattr(p, "ds_id") for p in params):
+        return x, params
+    return (x if x.requires_grad else x.detach().requires_grad_()), [ZeroParams(params)]
+
+
 def _tiled_forward(ctx, fn: Callable, x: torch.Tensor, tile: int, dim: int, params: Sequence[torch.Tensor]):
     """Run ``fn`` on tiles of ``x`` without grad; save only ``x`` and ``params`` for backward."""
     ctx.fn, ctx.tile, ctx.dim = fn, tile, dim
     ctx.set_materialize_grads(False)
     device_type = x.device.type
     ctx.autocast = (device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
-    ctx.save_for_backward(x, *params)
+    ctx.zero_params = next((p for p in params if isinstance(p, ZeroParams)), ())
+    ctx.save_for_backward(x, *(p for p in params if isinstance(p, torch.Tensor)))
     with torch.no_grad():
         tiles = [fn(x_tile) for x_tile in x.split(tile, dim=dim)]
     return tuple(torch.cat(parts, dim=dim) for parts in zip(*tiles))
@@ -76,7 +103,8 @@ def _tiled_backward(ctx, grads_out: Sequence[torch.Tensor | None], first_param_i
     param_grads: list[torch.Tensor | None] = [None] * len(wanted)
     dx_tiles = []
     device_type, autocast_on, autocast_dtype = ctx.autocast
-    for i, x_tile in enumerate(x.split(ctx.tile, dim=ctx.dim)):
+    tiles = x.split(ctx.tile, dim=ctx.dim)
+    for i, x_tile in enumerate(tiles):
         start, length = i * ctx.tile, x_tile.shape[ctx.dim]
         x_t = x_tile.detach().requires_grad_(need_dx)
         with torch.enable_grad(), torch.autocast(device_type, enabled=autocast_on, dtype=autocast_dtype):
@@ -84,7 +112,9 @@ def _tiled_backward(ctx, grads_out: Sequence[torch.Tensor | None], first_param_i
         pairs = [(o, g.narrow(ctx.dim, start, length)) for o, g in zip(outs, grads_out)
                  if g is not None and o.requires_grad]
         inputs = ([x_t] if need_dx else []) + wanted
-        if pairs:
+        if pairs and ctx.zero_params:
+            grads = _zero3_tile_backward(pairs, x_t if need_dx else None, ctx.zero_params, last=i == len(tiles) - 1)
+        elif pairs:
             outputs, grads_in = [o for o, _ in pairs], [g for _, g in pairs]
             grads = list(torch.autograd.grad(outputs, inputs, grads_in, allow_unused=True))
         else:
@@ -99,6 +129,18 @@ def _tiled_backward(ctx, grads_out: Sequence[torch.Tensor | None], first_param_i
     dx = torch.cat(dx_tiles, dim=ctx.dim) if need_dx else None
     it = iter(param_grads)
     return dx, [next(it) if need else None for need in needs]
+
+
+def _zero3_tile_backward(pairs, x_t: torch.Tensor | None, params: Sequence[torch.Tensor], last: bool) -> list:
+    """One tile's backward with ZeRO-3 parameters: ``[dx]`` (``[]`` without ``x_t``; module docstring).
+
+    Parameter gradients go to ``.grad`` through ZeRO-3's hooks; ``ds_grad_is_ready`` is False
+    before the last tile so they are reduced once, after the sum over all tiles.
+    """
+    for p in params:
+        p.ds_grad_is_ready = last
+    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+    return [x_t.grad] if x_t is not None else []
 
 
 class TiledMLPFunction(torch.autograd.Function):
@@ -154,7 +196,7 @@ class TiledMLP(nn.Module):
 
     def forward(self, x_BsD: torch.Tensor) -> torch.Tensor:
         num_tiles = math.ceil(x_BsD.shape[_SEQ_DIM] / self.tile_tokens)  # local: no collective
-        params = [p for p in self.mlp.parameters() if p.requires_grad]
+        x_BsD, params = grad_params(self.mlp, x_BsD)
         return TiledMLPFunction.apply(self.mlp, x_BsD, num_tiles, *params)
 
     def extra_repr(self) -> str:

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ulysses_sp.memory.tiled_mlp import TiledMLP, TiledTokensFunction
+from ulysses_sp.memory.tiled_mlp import TiledMLP, TiledTokensFunction, grad_params
 
 
 @contextmanager
@@ -84,8 +84,7 @@ class TiledMoE(TiledMLP):
 
     def forward(self, x_BsD: torch.Tensor) -> torch.Tensor:
         B, s, D = x_BsD.shape
-        x_TD = x_BsD.reshape(B * s, D)
-        params = [p for p in self.mlp.parameters() if p.requires_grad]
+        x_TD, params = grad_params(self.mlp, x_BsD.reshape(B * s, D))
         tile = max(1, B * self.tile_tokens)
         if self.router is None:
             (y_TD,) = TiledTokensFunction.apply(self._tile_fn, x_TD, tile, 0, *params)
