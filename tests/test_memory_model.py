@@ -98,7 +98,7 @@ def test_plan_cli_preset_and_local_directory(tmp_path, capsys):
     assert cli_main(["plan", "--model", "llama-3-8b", "--seq-len", "131072", "--sp-size", "8", "--budget-gib", "24",
                      "--state-shards", "8"]) == 0
     out = capsys.readouterr().out
-    assert "recommended: + tiled loss" in out
+    assert "recommended: + offload" in out  # GPU default: ALST-calibrated (peak x 1.25 + 1 GiB reserve)
     tf.LlamaConfig(**LLAMA).save_pretrained(tmp_path)
     assert cli_main(["plan", "--model", str(tmp_path), "--seq-len", "4096", "--budget-gib", "0.001"]) == 1
     assert "nothing fits" in capsys.readouterr().out

@@ -71,7 +71,7 @@ def test_refuses_what_train_refuses_with_the_same_message(tmp_path, capsys):
     (["--budget-gib", "80", "--host-gib", "nan"], "--host-gib must be a positive"),
     (["--budget-gib", "80", "--host-gib", "0"], "--host-gib must be a positive"),
     (["--budget-gib", "80", "--peak-scale", "0.5"], "--peak-scale must be"),
-    (["--budget-gib", "80", "--reserve-gib", "80"], "--reserve-gib must be"),
+    (["--budget-gib", "80", "--reserve-gib", "-1"], "--reserve-gib must be"),
 ])
 def test_refuses_budgets_that_are_not_positive_finite(flags, message, capsys):
     """Bug caught: a zero, negative, NaN or infinite budget (NaN compares False with everything,
