@@ -72,3 +72,77 @@ def test_bench_deepspeed_same_loss_and_its_collectives(tmp_path):
     # q (4 heads), k, v (2 heads each), out (4 heads): 12 * 16 * 8 fp32 elements, half to the peer,
     # both directions; + 16 int64 positions to the peer in forward
     assert ds["bytes_sent_per_rank"] == 2 * (12 * 16 * 8 * 4 // 2) + 16 * 8
+
+
+def test_bench_chunked_system_same_bytes_twice_the_collectives_and_paired_one_process(tmp_path):
+    """Catches ``--systems ulysses_chunked`` not reaching UlyssesSPConfig(sp_head_chunks) (it would
+    issue 2 collectives per layer), chunking that changes the bytes or the loss, a formula that
+    does not know the chunked count, paired runs that lose the one-process steps they are
+    compared with (the 'one process / system' ratio on equal cores), and --attention-memory not
+    measuring both the unchunked and the chunked layer."""
+    out = tmp_path / "bench.json"
+    code = main(["bench", *TINY, "--systems", "single", "ulysses", "ulysses_chunked", "--json", str(out),
+                 "--markdown", str(tmp_path / "b.md"), "--attention-memory"])
+    assert code == 0
+    all_records = json.loads(out.read_text())
+    records = {r["system"]: r for r in all_records if "mode" not in r}
+    paired = {r["system"]: r for r in all_records if r.get("mode") == "paired"}
+    memory = [r for r in all_records if r.get("mode") == "attention_memory"]
+    assert sorted(r["head_chunks"] for r in memory) == [1, 2] and all(r["peak_attention_bytes"] >= 0 for r in memory)
+    ours, chunked = records["ulysses"], records["ulysses_chunked"]
+    # N=4 heads on P=2 ranks: 2 local heads, --head-chunks 2 (default) gives C=2 -> 2C = 4 each way
+    assert chunked["head_chunks"] == 2
+    assert chunked["collectives_per_layer"] == 4 and chunked["collectives_per_layer_backward"] == 4
+    assert chunked["formula_collectives_per_layer"] == 4
+    assert chunked["bytes_sent_per_rank"] == ours["bytes_sent_per_rank"] == ULYSSES_BYTES_PER_LAYER
+    # fp32, same weights and batch; only summation order differs: 1e-5 relative
+    assert chunked["loss"] == pytest.approx(records["single"]["loss"], rel=1e-5)
+    for r in paired.values():
+        assert len(r["one_process_step_seconds"]) == len(r["step_seconds"]) == 1
+        assert r["one_process_loss"] == pytest.approx(r["loss"], rel=1e-5)  # fp32 reordering only
+        assert r["one_process_vs_system"] == pytest.approx(r["one_process_step_seconds"][0] / r["step_seconds"][0])
+    for r in records.values():
+        assert r["tokens_per_second"] == pytest.approx(32 / r["median_step_seconds"])
+    text = (tmp_path / "b.md").read_text()
+    assert "| 32 | 2 | ulysses_chunked (C=2) |" in text and "one process / system" in text
+
+
+def test_bench_interrupted_run_keeps_what_it_measured(tmp_path, monkeypatch, capsys):
+    """Catches records written only at the end (an interrupted or killed run would leave nothing)
+    and rows printed only after the whole run: the second configuration is interrupted, the first
+    one's record must be in the JSON file and its row on stdout, and the exit code says 130."""
+    from ulysses_sp.cli import bench
+
+    real, calls = bench._run_task, []
+
+    def interrupt_second(*args, **kwargs):
+        calls.append(args[0])
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(bench, "_run_task", interrupt_second)
+    out = tmp_path / "bench.json"
+    code = main(["bench", *TINY, "--systems", "single", "ulysses", "--mode", "isolated", "--json", str(out)])
+    assert code == 130
+    records = json.loads(out.read_text())
+    assert [r["system"] for r in records] == ["single"]
+    printed = capsys.readouterr().out
+    assert "| isolated | 32 | 1 | single |" in printed and "interrupted" in printed
+
+
+def test_bench_budget_skips_what_would_not_fit():
+    """Catches a time budget that lets a long configuration start near the end (the default run
+    must finish in 5 minutes) or that refuses work when there is no limit or nothing measured."""
+    from types import SimpleNamespace
+
+    from ulysses_sp.cli.bench.report import Budget
+
+    def job(S):
+        return [SimpleNamespace(seq_len=S)]
+    budget = Budget(30.0)
+    assert budget.refuses(job(8192), steps=5) is None  # nothing measured yet: run it
+    budget.measured(1024, step_s=1.0, steps=5, wall_s=15.0)  # launch cost 15 - 5 = 10 s
+    assert budget.refuses(job(1024), steps=5) is None  # 10 + 5 * 1 s = 15 s < 30 s
+    assert budget.refuses(job(4096), steps=5) is not None  # 10 + 5 * 1 s * 4 ** 1.5 = 50 s > 30 s
+    assert Budget(0).refuses(job(1 << 20), steps=100) is None

@@ -65,6 +65,11 @@ class UlyssesSPConfig:
             materialising the ``(s, V)`` logits (None = untiled).
         offload_activations: move checkpointed hidden states to CPU memory between forward and
             backward (needs activation / gradient checkpointing).
+        sp_head_chunks: ``ulysses`` only: run each rank's heads in this many chunks, the all-to-all
+            of the next chunk in flight while one computes (forward and backward); 2C + 2C
+            collectives per layer instead of 2 + 2, the same bytes, the transient full-sequence
+            buffers of about two chunks at a time (the kernels' saved tensors are unchanged). At
+            most the heads a rank holds are used. 1 = no chunking.
 
     Raises:
         ValueError: at construction, for a value no entry point could honour.
@@ -79,6 +84,8 @@ class UlyssesSPConfig:
     tiled_loss_tokens: int | None = _field(None, "lm_head + loss in tiles of this many tokens (never the full logits)")
     offload_activations: bool = _field(False, "keep the inputs of checkpointed layers in CPU memory (needs "
                                        "activation checkpointing)")
+    sp_head_chunks: int = _field(1, "ulysses: heads per rank in this many chunks, each chunk's all-to-all "
+                                 "overlapped with the previous chunk's attention (1 = no chunking)")
 
     def __post_init__(self) -> None:
         _positive_int("sp_size", self.sp_size)
@@ -91,6 +98,10 @@ class UlyssesSPConfig:
             )
         _positive_int("tiled_mlp_tokens", self.tiled_mlp_tokens, allow_none=True)
         _positive_int("tiled_loss_tokens", self.tiled_loss_tokens, allow_none=True)
+        _positive_int("sp_head_chunks", self.sp_head_chunks)
+        if self.sp_head_chunks != 1 and self.sp_backend != "ulysses":
+            raise ValueError(f"sp_head_chunks={self.sp_head_chunks} applies to sp_backend='ulysses' only; "
+                             f"set sp_head_chunks=1 with sp_backend={self.sp_backend!r}.")
         if not isinstance(self.offload_activations, bool):
             raise ValueError(f"offload_activations must be True or False, got {self.offload_activations!r}.")
 

@@ -16,13 +16,19 @@ from ulysses_sp.attention.ulysses import UlyssesAttention
 from ulysses_sp.config import SP_BACKENDS
 
 
-def build_attention(backend: str, sp_group: ProcessGroup | None, kernel: str | Kernel = "sdpa") -> SPAttention:
+def build_attention(
+    backend: str, sp_group: ProcessGroup | None, kernel: str | Kernel = "sdpa", head_chunks: int = 1
+) -> SPAttention:
     """The attention of ``backend`` (one of ``SP_BACKENDS``) over ``sp_group`` (``None``: one process).
 
     ``kernel`` is the core kernel of the ``ulysses`` backend; ``ring`` runs its own block kernels.
+    ``head_chunks`` (``UlyssesSPConfig.sp_head_chunks``): the ``ulysses`` backend's head chunks
+    with overlapped exchanges; the ring has none (1 only).
     """
     if backend == "ulysses":
-        return UlyssesAttention(sp_group, kernel)
+        return UlyssesAttention(sp_group, kernel, head_chunks)
     if backend == "ring":
+        if head_chunks != 1:
+            raise ValueError(f"head_chunks={head_chunks} applies to sp_backend='ulysses' only; use 1 with 'ring'.")
         return RingAttention(sp_group)
     raise ValueError(f"sp_backend {backend!r} is not available; use one of {list(SP_BACKENDS)}.")

@@ -10,6 +10,11 @@ Shape legend: see ``ulysses_sp.comm.layout``.
     o (B,S,n,Hv)
         | 4. one all-to-all back
     o (B,s,N,Hv)                 my tokens, all heads
+
+With ``head_chunks=C > 1`` steps 1-4 run per chunk of this rank's heads (``HeadPlan.chunks``),
+the exchanges of neighbouring chunks in flight while a chunk computes
+(``comm.all_to_all.head_chunked_attention``): 2C collectives forward and 2C backward, the same
+bytes, and the transient full-sequence q/k/v/o buffers of one chunk at a time.
 """
 
 from __future__ import annotations
@@ -21,8 +26,9 @@ from torch.distributed import ProcessGroup
 from ulysses_sp.attention.contract import check_inputs_across_ranks
 from ulysses_sp.attention.kernels import Kernel, get_kernel
 from ulysses_sp.attention.masks import GlobalMask
-from ulysses_sp.comm.all_to_all import head_to_seq_out, seq_to_head_qkv
-from ulysses_sp.comm.layout import HeadPlan
+from ulysses_sp.comm.all_to_all import head_chunked_attention, head_to_seq_out, seq_to_head_qkv
+from ulysses_sp.comm.layout import HeadChunk, HeadPlan
+
 
 class UlyssesAttention:
     """Attention over a sequence sharded across the ranks of ``sp_group``.
@@ -32,19 +38,27 @@ class UlyssesAttention:
             process (no communication, the kernel runs directly).
         kernel: ``"sdpa"``, ``"eager"``, ``"flex_attention"``, ``"flash_attention_2"``,
             ``"flash_attention_3"`` or a callable with the signature in ``attention.kernels``.
+        head_chunks: process this rank's query heads in this many chunks, overlapping each chunk's
+            exchanges with its neighbour's compute (1 = one exchange each way, no overlap). At most
+            the largest local head count is used (``HeadPlan.num_chunks``).
 
     The first call checks, with one small all-gather, that every rank passes the same shapes and
     dtype (a mismatch would otherwise crash or hang the all-to-all) and raises ``ValueError`` on
     all ranks if not. Later calls trust their shapes: per-step consistency is checked once per
-    batch by the batch sharder, not per layer. Steady state: 2 collectives forward, 2 backward.
+    batch by the batch sharder, not per layer. Steady state: 2 collectives forward, 2 backward
+    (2C and 2C with C head chunks).
     """
 
-    def __init__(self, sp_group: ProcessGroup | None, kernel: str | Kernel = "sdpa") -> None:
+    def __init__(self, sp_group: ProcessGroup | None, kernel: str | Kernel = "sdpa", head_chunks: int = 1) -> None:
+        if isinstance(head_chunks, bool) or not isinstance(head_chunks, int) or head_chunks < 1:
+            raise ValueError(f"head_chunks must be a positive integer, got {head_chunks!r}.")
         self.sp_group = sp_group
         self.sp_size = 1 if sp_group is None else dist.get_world_size(sp_group)
         self.sp_rank = 0 if sp_group is None else dist.get_rank(sp_group)
         self.kernel: Kernel = get_kernel(kernel) if isinstance(kernel, str) else kernel
+        self.head_chunks = head_chunks
         self._plans: dict[tuple[int, int], HeadPlan] = {}
+        self._chunks: dict[tuple[int, int], tuple[HeadChunk, ...]] = {}
         self._validated = False
 
     def plan(self, num_heads: int, num_kv_heads: int) -> HeadPlan:
@@ -91,9 +105,18 @@ class UlyssesAttention:
                 f"Every rank must hold S/P tokens: pad the batch to a multiple of sp_size with "
                 "UlyssesSP.shard / ulysses_sp.shard_batch (it pads and ignores the padded labels)."
             )
-        q, k, v = seq_to_head_qkv(q_BNsH, k_BKsH, v_BKsH, plan, self.sp_group)
-        if plan.local_group_size(self.sp_rank) is None:
-            index = plan.local_kv_index(self.sp_rank).to(k.device)
-            k, v = k.index_select(1, index), v.index_select(1, index)
-        o_BSnH = self.kernel(q, k, v, mask, scaling=scaling, sliding_window=sliding_window, softcap=softcap, dropout=dropout)
-        return head_to_seq_out(o_BSnH, plan, self.sp_group)
+        kw = {"scaling": scaling, "sliding_window": sliding_window, "softcap": softcap, "dropout": dropout}
+
+        def attend(q, k, v, part: HeadPlan | HeadChunk) -> torch.Tensor:
+            if part.local_group_size(self.sp_rank) is None:  # 2. irregular kv grouping: one kv per q head
+                index = part.local_kv_index(self.sp_rank).to(k.device)
+                k, v = k.index_select(1, index), v.index_select(1, index)
+            return self.kernel(q, k, v, mask, **kw)  # 3.
+
+        if self.sp_size > 1 and plan.num_chunks(self.head_chunks) > 1:
+            key = (N, plan.num_kv_heads)
+            if key not in self._chunks:
+                self._chunks[key] = plan.chunks(self.head_chunks)
+            return head_chunked_attention(q_BNsH, k_BKsH, v_BKsH, self._chunks[key], self.sp_group, attend)
+        q, k, v = seq_to_head_qkv(q_BNsH, k_BKsH, v_BKsH, plan, self.sp_group)  # 1.
+        return head_to_seq_out(attend(q, k, v, plan), plan, self.sp_group)  # 4.

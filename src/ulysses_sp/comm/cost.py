@@ -10,6 +10,9 @@ Shape legend: B batch, S global sequence, s = S/P, N query heads, K kv heads, H 
     ulysses (ours)   forward: q|k|v of the heads other ranks own + my heads' output for their
                      tokens: HeadPlan.bytes_sent_per_rank, ~ B*s*(2NH + 2KH)*(P-1)/P*b (K >= P);
                      backward: the same amounts reversed.  2 collectives forward, 2 backward.
+    ulysses, C head  the same bytes (each q head, (kv head, rank) pair and output moves once, in
+    chunks           the chunk that first needs it); 2C collectives forward, 2C backward, with
+                     C = HeadPlan.num_chunks(sp_head_chunks) = min(chunks, max heads on a rank).
     deepspeed        q, k, v in three all-to-alls (k/v heads repeated to P when K < P), output
                      in a fourth; + an all-gather of int64 position_ids (B*s*8*(P-1)) per layer.
                      5 collectives forward (4 all-to-all + 1 all-gather), 4 backward.
@@ -41,12 +44,17 @@ class AttentionComm:
 
 
 def attention_comm(
-    system: str, P: int, B: int, S: int, N: int, K: int, H: int, itemsize: int, rank: int = 0
+    system: str, P: int, B: int, S: int, N: int, K: int, H: int, itemsize: int, rank: int = 0, head_chunks: int = 1
 ) -> AttentionComm:
-    """The communication model of ``system`` for one attention layer (see the module docstring)."""
+    """The communication model of ``system`` for one attention layer (see the module docstring).
+
+    ``head_chunks``: ``sp_head_chunks`` of the ``ulysses`` system (same bytes, 2C + 2C collectives).
+    """
     s = S // P
     if P == 1 or system == "single":
         return AttentionComm(0, 0, 0, 0, "no communication")
+    if head_chunks != 1 and system != "ulysses":
+        raise ValueError(f"head_chunks applies to the 'ulysses' system only, got system {system!r}.")
     if system == "ulysses":
         plan = HeadPlan(N, K, P)
         sent = plan.bytes_sent_per_rank(rank, B, s, H, H, itemsize)
@@ -55,7 +63,10 @@ def attention_comm(
         out_grads = sum(B * s * n[j] * H for j in range(P) if j != rank)
         bwd = ((P - 1) * plan.qkv_numels(rank, B, s, H, H) + out_grads) * itemsize
         text = "HeadPlan.bytes_sent_per_rank: qkv+out = B*s*(n_j*H + k_j*2H) over j!=r + B*s*n_r*H*(P-1), x b"
-        return AttentionComm(fwd, bwd, 2, 2, text)
+        C = plan.num_chunks(head_chunks)
+        if C > 1:
+            text += f"; {C} head chunks: 2C collectives each way"
+        return AttentionComm(fwd, bwd, 2 * C, 2 * C, text)
     if system == "deepspeed":
         Kx = max(K, P)
         a2a = B * s * (2 * N * H + 2 * Kx * H) * itemsize * (P - 1) // P

@@ -192,7 +192,7 @@ class UlyssesSP:
         self.kernel = check_model_support(self.base, config)
         self.offload = ActivationOffload(model) if config.offload_activations else None
         self.attention: SPAttention = build_attention(
-            config.sp_backend, mesh.sp_group if mesh.sp_size > 1 else None, self.kernel
+            config.sp_backend, mesh.sp_group if mesh.sp_size > 1 else None, self.kernel, config.sp_head_chunks
         )
         self.key = f"{_KEY_PREFIX}_{next(_counter)}_{config.sp_backend}_{self.kernel}"
         self._wrappers: list[Callable[[AttentionFunction], AttentionFunction]] = []

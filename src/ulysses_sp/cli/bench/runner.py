@@ -22,7 +22,15 @@ import torch
 import torch.distributed as dist
 
 from ulysses_sp import CommCounter, SPMesh, attention_comm, spawn
-from ulysses_sp.cli.bench.systems import ModelSpec, Step, build_model, deepspeed_step, make_batch, ours_step, single_step
+from ulysses_sp.cli.bench.systems import (
+    ModelSpec,
+    Step,
+    build_model,
+    deepspeed_step,
+    make_batch,
+    ours_step,
+    single_step,
+)
 
 PRELOAD = ["transformers", "transformers.modeling_utils", "transformers.models.llama.modeling_llama",
            "ulysses_sp.integrations.transformers", "ulysses_sp.cli.bench.systems"]
@@ -41,6 +49,21 @@ class Job:
     dtype: str = "float32"
     backend: str = "gloo"
     spec: ModelSpec = field(default_factory=ModelSpec)
+    head_chunks: int = 2  # ulysses_chunked only
+    attn: str = "sdpa"  # the model's attention kernel (every system runs it)
+
+    @property
+    def world(self) -> int:
+        """Processes the job runs in (one for ``single``)."""
+        return 1 if self.system == "single" else self.sp_size
+
+    def comm_model(self, rank: int = 0):
+        """``attention_comm`` of this job (``ulysses_chunked`` is ``ulysses`` with head chunks)."""
+        spec, chunked = self.spec, self.system == "ulysses_chunked"
+        itemsize = torch.empty(0, dtype=getattr(torch, self.dtype)).element_size()
+        return attention_comm("ulysses" if chunked else self.system, self.sp_size, self.batch_size, self.seq_len,
+                              spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim, itemsize, rank,
+                              head_chunks=self.head_chunks if chunked else 1)
 
 
 def _rss_bytes(field_name: str) -> int:
@@ -64,13 +87,15 @@ def _memory_peak(device: torch.device) -> int:
 
 
 def setup_system(job: Job, device: torch.device, counter: CommCounter) -> tuple[Step, torch.nn.Module]:
-    model = build_model(job.spec, job.seq_len, device, getattr(torch, job.dtype))
+    model = build_model(job.spec, job.seq_len, device, getattr(torch, job.dtype), job.attn)
     ids = make_batch(job.spec, job.batch_size, job.seq_len, device)
     if job.system == "single":
         return single_step(model, ids), model
     mesh = SPMesh.from_world(job.sp_size)
     if job.system == "deepspeed":
         return deepspeed_step(model, ids, mesh, counter), model
+    if job.system == "ulysses_chunked":
+        return ours_step(model, ids, mesh, counter, backend="ulysses", head_chunks=job.head_chunks), model
     return ours_step(model, ids, mesh, counter, backend=job.system), model
 
 
@@ -108,7 +133,7 @@ def _comm_summary(counter: CommCounter, num_layers: int) -> dict:
     }
 
 
-def _gather(value: float | int, device: torch.device, world: int) -> list[float]:
+def _gather(value: float, device: torch.device, world: int) -> list[float]:
     if world == 1:
         return [float(value)]
     t = torch.tensor([float(value)], dtype=torch.float64, device=device if device.type == "cuda" else "cpu")
@@ -133,14 +158,13 @@ def _worker(rank: int, world: int, job: Job, out_path: str) -> None:
     bytes_bwd = _gather(comm["bytes_sent_per_rank_backward"], device, world)
     if rank != 0:
         return
-    spec = job.spec
-    itemsize = torch.empty(0, dtype=getattr(torch, job.dtype)).element_size()
-    model_comm = attention_comm(job.system, job.sp_size, job.batch_size, job.seq_len, spec.num_attention_heads,
-                                spec.num_key_value_heads, spec.head_dim, itemsize)
+    spec, model_comm = job.spec, job.comm_model()
     comm.update(bytes_sent_per_rank_forward=int(max(bytes_fwd)), bytes_sent_per_rank_backward=int(max(bytes_bwd)))
     record = {
         "system": job.system, "sp_size": job.sp_size, "seq_len": job.seq_len, "batch_size": job.batch_size,
+        "head_chunks": job.head_chunks if job.system == "ulysses_chunked" else 1,
         "median_step_seconds": statistics.median(slowest), "min_step_seconds": min(slowest), "step_seconds": slowest,
+        "tokens_per_second": job.batch_size * job.seq_len / statistics.median(slowest),
         "peak_memory_bytes": int(max(peak)), "peak_memory_bytes_per_rank": [int(p) for p in peak],
         "bytes_sent_per_rank": comm["bytes_sent_per_rank_forward"] + comm["bytes_sent_per_rank_backward"],
         **comm,
@@ -150,7 +174,7 @@ def _worker(rank: int, world: int, job: Job, out_path: str) -> None:
         "formula_collectives_per_layer_backward": model_comm.collectives_backward,
         "formula": model_comm.text,
         "loss": losses[0], "final_loss": losses[-1], "num_layers": step.num_layers,
-        "dtype": job.dtype, "backend": job.backend if world > 1 else "none", "device": str(device),
+        "dtype": job.dtype, "attn_implementation": job.attn, "backend": job.backend if world > 1 else "none", "device": str(device),
         "model": asdict(spec), "num_params": sum(p.numel() for p in model.parameters()),
         "warmup": job.warmup, "repeats": job.repeats, "machine": machine(world),
     }
@@ -179,10 +203,9 @@ def run_job(job: Job, timeout_s: float = 900.0, preload: tuple[str, ...] = ()) -
     """
     if job.warmup < 1 or job.repeats < 1:
         raise ValueError("warmup and repeats must be >= 1 (the first step runs one-time checks).")
-    world = 1 if job.system == "single" else job.sp_size
     with tempfile.TemporaryDirectory() as tmp:
         out_path = os.path.join(tmp, "record.json")
-        spawn(_worker, world, job, out_path, backend=job.backend, timeout_s=timeout_s,
-                     preload=PRELOAD + list(preload))
+        spawn(_worker, job.world, job, out_path, backend=job.backend, timeout_s=timeout_s,
+              preload=PRELOAD + list(preload))
         with open(out_path) as f:
             return json.load(f)

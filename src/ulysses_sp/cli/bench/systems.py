@@ -1,8 +1,10 @@
 """The systems the benchmark compares, each as one training step on the same model and batch.
 
-    single     one process, plain Transformers (full sequence, SDPA, no SP)
-    ulysses    ours: UlyssesSP (one fused q|k|v all-to-all + one output all-to-all per layer)
-    ring       ours: UlyssesSP with UlyssesSPConfig(sp_backend="ring") (RingAttention)
+    single           one process, plain Transformers (full sequence, SDPA, no SP), all the cores
+    ulysses          ours: UlyssesSP (one fused q|k|v all-to-all + one output all-to-all per layer)
+    ulysses_chunked  ours: UlyssesSP with UlyssesSPConfig(sp_head_chunks=C): C chunks of heads, each
+                     chunk's all-to-alls in flight while the neighbouring chunk computes
+    ring             ours: UlyssesSP with UlyssesSPConfig(sp_backend="ring") (RingAttention)
     deepspeed  DeepSpeed ALST: UlyssesSPAttentionHF.register_with_transformers, its data loader
                adapter and the HF Trainer's SP loss aggregation (transformers'
                ``deepspeed_sp_compute_loss``), as HF / Accelerate wire it
@@ -23,7 +25,7 @@ import torch.distributed as dist
 
 from ulysses_sp import CommCounter
 
-SYSTEMS = ("single", "ulysses", "ring", "deepspeed")
+SYSTEMS = ("single", "ulysses", "ulysses_chunked", "ring", "deepspeed")
 
 
 @dataclass(frozen=True)
@@ -39,15 +41,17 @@ class ModelSpec:
     head_dim: int = 32
 
 
-def build_model(spec: ModelSpec, max_len: int, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
-    """The benchmark model, identical on every rank and in every system (seed 0)."""
+def build_model(
+    spec: ModelSpec, max_len: int, device: torch.device, dtype: torch.dtype, attn: str = "sdpa"
+) -> torch.nn.Module:
+    """The benchmark model, identical on every rank and in every system (seed 0); ``attn``: its kernel."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
         vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
         num_hidden_layers=spec.num_hidden_layers, num_attention_heads=spec.num_attention_heads,
         num_key_value_heads=spec.num_key_value_heads, head_dim=spec.head_dim, max_position_embeddings=max_len,
-        tie_word_embeddings=False, attn_implementation="sdpa", use_cache=False,
+        tie_word_embeddings=False, attn_implementation=attn, use_cache=False,
     )
     torch.manual_seed(0)
     return LlamaForCausalLM(config).to(device=device, dtype=dtype).train()
@@ -89,8 +93,20 @@ def _finish(model, optimizer, loss, counter: CommCounter, group) -> None:
         optimizer.zero_grad(set_to_none=True)
 
 
-def single_step(model, ids_BS: torch.Tensor) -> Step:
-    """No sequence parallelism: the full sequence in one process."""
+def single_step(model, ids_BS: torch.Tensor, own_kernel_key: bool = False) -> Step:
+    """No sequence parallelism: the full sequence in one process.
+
+    ``own_kernel_key``: run the model's attention function under a key of its own, so that a
+    DeepSpeed system set up later in the same process (it replaces the kernel's entry in
+    transformers' registry) does not reach it.
+    """
+    if own_kernel_key:
+        from transformers import AttentionInterface
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        attn = model.config._attn_implementation
+        AttentionInterface.register(f"ulysses_sp_bench_single_{attn}", ALL_ATTENTION_FUNCTIONS[attn])
+        model.set_attn_implementation(f"ulysses_sp_bench_single_{attn}")
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
 
     def run(counter: CommCounter) -> float:
@@ -102,11 +118,12 @@ def single_step(model, ids_BS: torch.Tensor) -> Step:
     return Step(run, model.config.num_hidden_layers)
 
 
-def ours_step(model, ids_BS: torch.Tensor, mesh, counter: CommCounter, backend: str) -> Step:
-    """``UlyssesSP`` with ``UlyssesSPConfig(sp_backend=backend)``: ``"ulysses"`` or ``"ring"``."""
+def ours_step(model, ids_BS: torch.Tensor, mesh, counter: CommCounter, backend: str, head_chunks: int = 1) -> Step:
+    """``UlyssesSP`` with ``UlyssesSPConfig(sp_backend=backend, sp_head_chunks=head_chunks)``."""
     from ulysses_sp import UlyssesSP, UlyssesSPConfig, global_num_items, reported_loss
 
-    sp = UlyssesSP(model, mesh, UlyssesSPConfig(sp_size=mesh.sp_size, sp_backend=backend))
+    config = UlyssesSPConfig(sp_size=mesh.sp_size, sp_backend=backend, sp_head_chunks=head_chunks)
+    sp = UlyssesSP(model, mesh, config)
     sp.wrap_attention(counter.scoped).register()
     shard = sp.shard({"input_ids": ids_BS})
     group = mesh.sp_group if mesh.sp_size > 1 else None
@@ -131,11 +148,12 @@ def deepspeed_step(model, ids_BS: torch.Tensor, mesh, counter: CommCounter) -> S
 
     deepspeed.init_distributed(dist_backend=dist.get_backend(), verbose=False)
     B, S = ids_BS.shape
+    attn = model.config._attn_implementation
     mpu = UlyssesSPAttentionHF.register_with_transformers(
-        model_name_or_path=model, core_attn_implementation="sdpa", sequence_parallel_size=mesh.sp_size,
+        model_name_or_path=model, core_attn_implementation=attn, sequence_parallel_size=mesh.sp_size,
         micro_batch_size=B, seq_length=S, seq_length_is_variable=False,
     )
-    ALL_ATTENTION_FUNCTIONS["sdpa"] = counter.scoped(ALL_ATTENTION_FUNCTIONS["sdpa"])
+    ALL_ATTENTION_FUNCTIONS[attn] = counter.scoped(ALL_ATTENTION_FUNCTIONS[attn])
     rows = [{"input_ids": ids_BS[b].cpu(), "labels": ids_BS[b].cpu(), "position_ids": torch.arange(S)}
             for b in range(B)]
     loader = torch.utils.data.DataLoader(rows, batch_size=B)

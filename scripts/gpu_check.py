@@ -1,0 +1,169 @@
+"""GPU readiness check: everything that needs a GPU, in one command, one JSON, under 8 minutes.
+
+    .venv/bin/python scripts/gpu_check.py --out gpu_check.json        # on a machine with CUDA
+    .venv/bin/python scripts/gpu_check.py --dry-run --out /tmp/x.json  # on CPU: the same steps, tiny
+
+Steps (each a subprocess with its own timeout, so one stuck step cannot eat the others' time;
+the JSON is rewritten after each step, so an interrupted run keeps what it measured):
+
+    1. environment   torch / CUDA / GPU names, bf16 support, flash-attn and DeepSpeed installed?
+    2. gpu_tests     the GPU-marked tests (``pytest -m gpu tests/test_gpu_kernels.py``: flash-attention
+                     varlen and flex kernels against eager), counts and failures from a JUnit report
+    3. bench         ``ulysses-sp bench`` in bf16 with flash_attention_2 where installed (else sdpa):
+                     one process, Ulysses and head-chunked Ulysses (+ DeepSpeed with >= 2 GPUs) at
+                     the P the visible GPUs allow, plus one attention layer's peak memory with and
+                     without head chunks; the records as the bench writes them
+    4. memory_ablation
+                     ``benchmarks/memory_ablation.py --device cuda``: the longest trainable sequence
+                     per rung in CUDA memory (rungs with P = 2 need 2 GPUs); the table rows
+
+``--dry-run`` runs the same steps on CPU with tiny shapes (the GPU tests are then skipped), so the
+test suite exercises this script and it cannot rot. Exit code 0 when every step passed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY_MODEL = ["--layers", "2", "--hidden", "32", "--intermediate", "48", "--heads", "4", "--kv-heads", "2",
+              "--head-dim", "8", "--vocab", "64"]
+
+
+def environment() -> dict:
+    """What the results were measured on."""
+    import torch
+
+    info = {"python": platform.python_version(), "platform": platform.platform(), "torch": torch.__version__,
+            "cuda_available": torch.cuda.is_available(), "cpu_count": os.cpu_count(),
+            "load_average_1min": os.getloadavg()[0],
+            "packages": {name: importlib.util.find_spec(name) is not None
+                         for name in ("flash_attn", "flash_attn_interface", "deepspeed", "transformers")}}
+    if torch.cuda.is_available():
+        info.update(cuda=torch.version.cuda, gpu_count=torch.cuda.device_count(),
+                    gpus=[torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+                    bf16_supported=torch.cuda.is_bf16_supported())
+    return info
+
+
+def run_step(command: list[str], timeout_s: float) -> dict:
+    """Run ``command`` from the repository root; status ``ok`` / ``failed`` / ``timeout`` and the output tail."""
+    start = time.monotonic()
+    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    try:
+        proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=max(timeout_s, 1))
+        status, code, out = ("ok" if proc.returncode == 0 else "failed"), proc.returncode, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as e:
+        status, code = "timeout", None
+        out = (e.stdout or b"").decode(errors="replace") + (e.stderr or b"").decode(errors="replace")
+    return {"status": status, "returncode": code, "seconds": round(time.monotonic() - start, 1),
+            "command": " ".join(command), "output_tail": out[-4000:]}
+
+
+def gpu_tests(tmp: str, dry_run: bool, timeout_s: float) -> dict:
+    """The GPU-marked tests; per-test outcome from pytest's JUnit XML."""
+    report = os.path.join(tmp, "gpu_tests.xml")
+    step = run_step([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
+                     "tests/test_gpu_kernels.py", f"--junitxml={report}"], timeout_s)
+    if os.path.exists(report):
+        cases = []
+        for case in ET.parse(report).getroot().iter("testcase"):
+            outcome = next((child.tag for child in case if child.tag in ("failure", "error", "skipped")), "passed")
+            cases.append({"name": case.get("name"), "outcome": outcome, "seconds": float(case.get("time", 0))})
+        step["cases"] = cases
+        step["counts"] = {k: sum(c["outcome"] == k for c in cases) for k in ("passed", "failed", "error", "skipped")}
+    if dry_run and step["status"] == "ok" and step.get("counts", {}).get("passed"):
+        step["status"], step["note"] = "failed", "GPU tests ran on CPU: the gpu marker or skip condition is broken"
+    return step
+
+
+def bench(tmp: str, dry_run: bool, gpus: int, timeout_s: float) -> dict:
+    """``ulysses-sp bench`` in bf16 (flash_attention_2 where installed) with the attention-memory table."""
+    out = os.path.join(tmp, "bench.json")
+    if dry_run:
+        flags = ["--device", "cpu", "--sp-sizes", "2", "--seq-lens", "64", *TINY_MODEL, "--repeats", "1"]
+    else:
+        kernel = "flash_attention_2" if importlib.util.find_spec("flash_attn") else "sdpa"
+        sp_sizes = ["2"] if gpus >= 2 else ["1"]
+        flags = ["--device", "cuda", "--dtype", "bfloat16", "--attn-implementation", kernel,
+                 "--sp-sizes", *sp_sizes, "--seq-lens", "4096", "16384", "--repeats", "3"]
+    systems = ["single", "ulysses", "ulysses_chunked"] + (["deepspeed"] if gpus >= 2 else [])
+    step = run_step([sys.executable, "-m", "ulysses_sp.cli.main", "bench", *flags, "--systems", *systems,
+                     "--mode", "isolated", "--attention-memory", "--head-chunks", "2", "--json", out,
+                     "--budget-s", str(int(timeout_s * 0.9))], timeout_s)
+    step["records"] = json.load(open(out)) if os.path.exists(out) else []
+    return step
+
+
+def memory_ablation(tmp: str, dry_run: bool, gpus: int, timeout_s: float) -> dict:
+    """``benchmarks/memory_ablation.py`` in CUDA memory (the P=2 rungs with >= 2 GPUs); its table rows."""
+    md = os.path.join(tmp, "ablation.md")
+    if dry_run:
+        flags = ["--device", "cpu", "--rungs", "plain", "--budget-mib", "40"]
+    else:
+        rungs = ["plain", "tiled_loss"] + (["ulysses", "tiled_mlp", "offload"] if gpus >= 2 else [])
+        flags = ["--device", "cuda", "--rungs", *rungs, "--budget-mib", "512"]
+    step = run_step([sys.executable, "benchmarks/memory_ablation.py", *flags, "--out", md], timeout_s)
+    rows, header = [], None
+    for line in (open(md).read().splitlines() if os.path.exists(md) else []):
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| rung"):
+            header = cells
+        elif header and line.startswith("|") and not line.startswith("|---"):
+            rows.append(dict(zip(header, cells)))
+    step["rows"] = rows
+    if step["status"] == "ok" and not rows:
+        step["status"], step["note"] = "failed", "no table rows in the ablation's output"
+    return step
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="gpu_check.json", help="the results JSON (rewritten after every step)")
+    parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes: check the script itself")
+    parser.add_argument("--budget-s", type=float, default=450.0, help="total seconds for all steps (default 450)")
+    args = parser.parse_args(argv)
+    import torch
+
+    if not args.dry_run and not torch.cuda.is_available():
+        print("gpu_check: no CUDA device; use --dry-run to check the script on CPU", file=sys.stderr)
+        return 2
+    gpus = 0 if args.dry_run else torch.cuda.device_count()
+    start = time.monotonic()
+    results = {"script": "scripts/gpu_check.py", "dry_run": args.dry_run,
+               "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               "budget_s": args.budget_s, "environment": environment(), "steps": {}}
+    # step -> (function, share of the time left it may use)
+    steps = {"gpu_tests": (lambda tmp, t: gpu_tests(tmp, args.dry_run, t), 0.25),
+             "bench": (lambda tmp, t: bench(tmp, args.dry_run, gpus, t), 0.5),
+             "memory_ablation": (lambda tmp, t: memory_ablation(tmp, args.dry_run, gpus, t), 1.0)}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, (step, share) in steps.items():
+            left = args.budget_s - (time.monotonic() - start)
+            results["steps"][name] = step(tmp, share * left) if left > 10 else {"status": "skipped: no time left"}
+            print(f"gpu_check: {name}: {results['steps'][name]['status']}", file=sys.stderr, flush=True)
+            results["total_seconds"] = round(time.monotonic() - start, 1)
+            results["ok"] = all(s["status"] == "ok" for s in results["steps"].values())
+            _write(args.out, results)
+    return 0 if results["ok"] and len(results["steps"]) == len(steps) else 1
+
+
+def _write(path: str, results: dict) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(results, f, indent=1)
+    os.replace(tmp, path)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

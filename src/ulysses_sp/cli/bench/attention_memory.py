@@ -1,0 +1,90 @@
+"""Peak memory of one attention layer (forward + backward) with and without head chunks.
+
+Only ``UlyssesAttention`` runs, on this rank's shard ``q (B,N,s,H)``, ``k, v (B,K,s,H)`` (leaves
+that need gradients): what is measured is what the layer itself allocates on top of its inputs:
+the exchange buffers, the full-sequence q/k/v/o of the heads in flight, the kernel's saved
+tensors and workspace, and the gradients it returns.
+
+    CUDA: ``max_memory_allocated - memory_allocated`` around one forward + backward.
+    CPU:  ``VmHWM - VmRSS`` around it, with glibc told (``mallopt``) to serve every allocation of
+          64 KiB or more by ``mmap``, so freed tensors leave the resident set at once and the
+          resident set follows the live tensor bytes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import tempfile
+
+import torch
+
+from ulysses_sp import SPMesh, UlyssesAttention, spawn
+
+_M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
+
+
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _mark(device: torch.device) -> int:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        return torch.cuda.memory_allocated()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM := VmRSS
+    return _status_bytes("VmRSS")
+
+
+def _peak(device: torch.device) -> int:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated()
+    return _status_bytes("VmHWM")
+
+
+def _worker(rank: int, world: int, shape: tuple, dtype: str, chunks: list[int], out_path: str) -> None:
+    B, N, K, S, H = shape
+    cuda = torch.distributed.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    if not cuda:
+        ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, 64 * 1024)
+    mesh = SPMesh.from_world(world, device_type=device.type)
+    gen = torch.Generator().manual_seed(rank)
+    q, k, v = (torch.randn(B, h, S // world, H, generator=gen).to(device, getattr(torch, dtype)).requires_grad_()
+               for h in (N, K, K))
+    peaks = {}
+    for C in chunks:
+        attention = UlyssesAttention(mesh.sp_group, "sdpa", head_chunks=C)
+        attention(q, k, v).sum().backward()  # warm-up: first-call checks, thread pools
+        q.grad = k.grad = v.grad = None
+        base = _mark(device)
+        attention(q, k, v).sum().backward()
+        peaks[C] = _peak(device) - base
+        q.grad = k.grad = v.grad = None
+    table = [None] * world
+    torch.distributed.all_gather_object(table, peaks, group=mesh.sp_group)
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump({str(C): max(p[C] for p in table) for C in chunks}, f)
+
+
+def attention_memory(P: int, S: int, chunks: list[int], *, B: int = 1, N: int = 8, K: int = 4, H: int = 32,
+                     dtype: str = "float32", backend: str = "gloo") -> list[dict]:
+    """Per head-chunk count: the peak bytes (max over ranks) of one attention forward + backward."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out_path = os.path.join(tmp, "peaks.json")
+        spawn(_worker, P, (B, N, K, S, H), dtype, list(chunks), out_path, backend=backend)
+        with open(out_path) as f:
+            peaks = json.load(f)
+    base = peaks[str(chunks[0])]
+    return [{"mode": "attention_memory", "sp_size": P, "seq_len": S, "batch_size": B, "heads": N, "kv_heads": K,
+             "head_dim": H, "dtype": dtype, "head_chunks": C, "peak_attention_bytes": peaks[str(C)],
+             "vs_first": peaks[str(C)] / base if base else None} for C in chunks]
