@@ -28,8 +28,16 @@ What "measured peak" is:
 Next to every measurement the memory model (``ulysses_sp.estimate_peak_memory``)
 prints its prediction for the same setting.
 
+``--fsdp2``: every rung but ``plain`` (which stays the plain single process, the reference of the
+ratios) shards the weights with FSDP2 (``fully_shard`` of the embeddings, each decoder layer,
+lm_head and the root) over its P ranks, as long runs do; the prediction then uses
+``state_shards=P``. The measured peak also holds what FSDP2 gathers during the step (the other
+ranks' weight shards of the units in use) and the unsharded gradients before their
+reduce-scatter. ``benchmarks/long_sequence.py --ladder-budget-mib`` runs this mode.
+
     .venv/bin/python benchmarks/memory_ablation.py --out benchmarks/results/memory_ablation_cpu.md
     .venv/bin/python benchmarks/memory_ablation.py --device cuda --budget-mib 4096   # needs 2 GPUs for P=2
+    .venv/bin/python benchmarks/memory_ablation.py --fsdp2 --budget-mib 96 --tolerance 0.1
 """
 
 from __future__ import annotations
@@ -67,13 +75,21 @@ def _rss_kib(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
-def _build(device: str):
+def _build(device: str, fsdp2: bool = False):
     import transformers as tf
 
     torch.manual_seed(0)
     model = tf.LlamaForCausalLM(tf.LlamaConfig(**MODEL)).to(device)
     model.config._attn_implementation = "sdpa"
     model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    if fsdp2:  # the units of tests/test_sharded_memory.py, plus the embeddings as their own unit
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        world_mesh = init_device_mesh(device, (dist.get_world_size(),))
+        for unit in (model.model.embed_tokens, *model.model.layers, model.lm_head, model):
+            fully_shard(unit, mesh=world_mesh)
     return model.train()
 
 
@@ -95,11 +111,11 @@ def _step(model, rung: str, seq_len: int, device: str) -> None:
         sp.forward_loss(model, shard, num_items).backward()
 
 
-def trial_worker(rank: int, world: int, rung: str, seq_len: int, device: str, out_dir: str) -> None:
+def trial_worker(rank: int, world: int, rung: str, seq_len: int, device: str, out_dir: str, fsdp2: bool = False) -> None:
     """One trial on one rank: build, warm up, measure one step, write ``rank<r>.json``."""
     if device == "cuda":
         torch.cuda.set_device(rank)
-    model = _build(device)
+    model = _build(device, fsdp2 and rung != "plain")
     _step(model, rung, 128, device)  # warm-up: lazy inits, thread pools
     for p in model.parameters():
         p.grad = None
@@ -122,35 +138,41 @@ def trial_worker(rank: int, world: int, rung: str, seq_len: int, device: str, ou
         json.dump({"peak": peak, "seconds": time.perf_counter() - start}, f)
 
 
-def measure(rung: str, seq_len: int, device: str) -> dict:
+def measure(rung: str, seq_len: int, device: str, fsdp2: bool = False) -> dict:
     """Run one trial in fresh processes; the largest per-rank peak and the step time."""
     from ulysses_sp import spawn
 
     world = FEATURES[rung][0]
     with tempfile.TemporaryDirectory() as out_dir:
-        spawn(trial_worker, world, rung, seq_len, device, out_dir, backend="nccl" if device == "cuda" else "gloo",
+        spawn(trial_worker, world, rung, seq_len, device, out_dir, fsdp2, backend="nccl" if device == "cuda" else "gloo",
               timeout_s=900, preload=["transformers", "transformers.models.llama.modeling_llama", "ulysses_sp"])
         results = [json.load(open(os.path.join(out_dir, f"rank{r}.json"))) for r in range(world)]
     return {"peak": max(r["peak"] for r in results), "seconds": max(r["seconds"] for r in results)}
 
 
-def predict(rung: str, seq_len: int, device: str) -> int:
+def _shards(rung: str, fsdp2: bool) -> int:
+    """Ranks that shard the weights in this rung (1: none)."""
+    return FEATURES[rung][0] if fsdp2 and rung != "plain" else 1
+
+
+def predict(rung: str, seq_len: int, device: str, fsdp2: bool = False) -> int:
     from ulysses_sp import MemoryFeatures, estimate_peak_memory
 
     sp_size, tiled_loss, tiled_mlp, offload = FEATURES[rung]
     features = MemoryFeatures(checkpointing=True, tiled_loss_tokens=LOSS_TILE if tiled_loss else None,
                               tiled_mlp_tokens=MLP_TILE if tiled_mlp else None, offload=offload,
                               host_is_device=device == "cpu")
-    return estimate_peak_memory(MODEL, seq_len, sp_size, torch.float32, features).peak_bytes
+    return estimate_peak_memory(MODEL, seq_len, sp_size, torch.float32, features,
+                                state_shards=_shards(rung, fsdp2)).peak_bytes
 
 
-def longest(rung: str, budget: int, device: str, log) -> tuple[int, dict]:
+def longest(rung: str, budget: int, device: str, log, fsdp2: bool = False, tolerance: float = 0.05) -> tuple[int, dict]:
     """The longest S (multiple of ``GRANULE * P``) whose measured peak fits ``budget``.
 
     Bracketing starts at the memory model's prediction and moves in x1.25 steps until one length
-    fits and a longer one does not; then bisection until the bracket is within 5% (or one step).
-    The model only picks where to look: every reported length is measured to fit, and a length
-    at most 5% longer is measured not to.
+    fits and a longer one does not; then bisection until the bracket is within ``tolerance`` (5%)
+    or one step. The model only picks where to look: every reported length is measured to fit,
+    and a length at most ``tolerance`` longer is measured not to.
     """
     from ulysses_sp import MemoryFeatures, longest_sequence
 
@@ -159,12 +181,13 @@ def longest(rung: str, budget: int, device: str, log) -> tuple[int, dict]:
     features = MemoryFeatures(tiled_loss_tokens=LOSS_TILE if tiled_loss else None,
                               tiled_mlp_tokens=MLP_TILE if tiled_mlp else None, offload=offload,
                               host_is_device=device == "cpu")
-    guess = longest_sequence(MODEL, sp_size, torch.float32, features, budget, granule=GRANULE, include_static=False)
+    guess = longest_sequence(MODEL, sp_size, torch.float32, features, budget, granule=GRANULE, include_static=False,
+                             state_shards=_shards(rung, fsdp2))
     fits: dict[int, dict] = {}
 
     def fit(s: int) -> bool:
-        m = measure(rung, s, device)
-        m["predicted"] = predict(rung, s, device)
+        m = measure(rung, s, device, fsdp2)
+        m["predicted"] = predict(rung, s, device, fsdp2)
         ok = m["peak"] <= budget
         log(f"  {rung:<10} S={s:>7}  measured {m['peak'] / 2**20:7.1f} MiB  predicted {m['predicted'] / 2**20:7.1f} MiB"
             f"  ({(m['predicted'] - m['peak']) / m['peak']:+.1%})  step {m['seconds']:.1f}s  {'fits' if ok else 'over'}")
@@ -188,7 +211,7 @@ def longest(rung: str, budget: int, device: str, log) -> tuple[int, dict]:
                 lo = s
                 break
             hi = s
-    while lo and hi - lo > step and hi > lo * 1.05:
+    while lo and hi - lo > step and hi > lo * (1 + tolerance):
         mid = rounded((lo + hi) / 2)
         lo, hi = (mid, hi) if fit(mid) else (lo, mid)
     if not lo:
@@ -196,11 +219,31 @@ def longest(rung: str, budget: int, device: str, log) -> tuple[int, dict]:
     return lo, fits[lo]
 
 
+def run_ladder(budget: int, device: str, rungs: list[str], log, fsdp2: bool = False, tolerance: float = 0.05) -> list[str]:
+    """The longest S of each rung (``longest``); logs and returns the table lines."""
+    rows, base_len, t0 = [], None, time.time()
+    for rung in rungs:
+        length, m = longest(rung, budget, device, log, fsdp2, tolerance)
+        base_len = base_len or length
+        err = (m["predicted"] - m["peak"]) / m["peak"]
+        wrapper = ("FSDP2 | " if rung != "plain" else "none | ") if fsdp2 else ""
+        rows.append(f"| {rung} | {FEATURES[rung][0]} | {wrapper}{length} | {length / base_len:.1f}x | "
+                    f"{m['peak'] / 2**20:.1f} | {m['predicted'] / 2**20:.1f} | {err:+.1%} | {m['seconds']:.1f} |")
+    head = ("| rung | P | " + ("weights sharded by | " if fsdp2 else "") + "longest S | vs plain | measured peak MiB/rank | "
+            "predicted MiB | error | step s |")
+    table = ["", head, "|---" * head.count(" | ") + "|---|", *rows, "", f"total benchmark time {time.time() - t0:.0f} s"]
+    for line in table:
+        log(line)
+    return table
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--budget-mib", type=float, default=48.0, help="memory budget per rank (MiB) for one step (activations + grads)")
     parser.add_argument("--rungs", nargs="+", choices=RUNGS, default=list(RUNGS))
+    parser.add_argument("--fsdp2", action="store_true", help="shard the weights with FSDP2 in every rung but plain")
+    parser.add_argument("--tolerance", type=float, default=0.05, help="bisect until the bracket is within this fraction")
     parser.add_argument("--out", help="write the markdown table here too")
     args = parser.parse_args(argv)
     budget = int(args.budget_mib * 2**20)
@@ -210,18 +253,9 @@ def main(argv: list[str] | None = None) -> int:
         print(msg, flush=True)
         lines.append(msg)
 
-    log(f"model {MODEL}; budget {args.budget_mib} MiB per rank; device {args.device}; fp32; checkpointing on")
-    rows, base_len, t0 = [], None, time.time()
-    for rung in args.rungs:
-        length, m = longest(rung, budget, args.device, log)
-        base_len = base_len or length
-        err = (m["predicted"] - m["peak"]) / m["peak"]
-        rows.append(f"| {rung} | {FEATURES[rung][0]} | {length} | {length / base_len:.1f}x | "
-                    f"{m['peak'] / 2**20:.1f} | {m['predicted'] / 2**20:.1f} | {err:+.1%} | {m['seconds']:.1f} |")
-    table = ["", "| rung | P | longest S | vs plain | measured peak MiB/rank | predicted MiB | error | step s |",
-             "|---|---|---|---|---|---|---|---|", *rows, "", f"total benchmark time {time.time() - t0:.0f} s"]
-    for line in table:
-        log(line)
+    log(f"model {MODEL}; budget {args.budget_mib} MiB per rank; device {args.device}; fp32; checkpointing on"
+        + ("; FSDP2 on every rung but plain" if args.fsdp2 else ""))
+    table = run_ladder(budget, args.device, args.rungs, log, args.fsdp2, args.tolerance)
     if args.out:
         with open(args.out, "w") as f:
             f.write("```\n" + "\n".join(lines[: -len(table)]) + "\n```\n" + "\n".join(table) + "\n")

@@ -61,7 +61,8 @@ def run_step(command: list[str], timeout_s: float) -> dict:
     start = time.monotonic()
     env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
     try:
-        proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=max(timeout_s, 1))
+        proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=max(timeout_s, 1),
+                              check=False)
         status, code, out = ("ok" if proc.returncode == 0 else "failed"), proc.returncode, proc.stdout + proc.stderr
     except subprocess.TimeoutExpired as e:
         status, code = "timeout", None
@@ -101,7 +102,7 @@ def bench(tmp: str, dry_run: bool, gpus: int, timeout_s: float) -> dict:
     step = run_step([sys.executable, "-m", "ulysses_sp.cli.main", "bench", *flags, "--systems", *systems,
                      "--mode", "isolated", "--attention-memory", "--head-chunks", "2", "--json", out,
                      "--budget-s", str(int(timeout_s * 0.9))], timeout_s)
-    step["records"] = json.load(open(out)) if os.path.exists(out) else []
+    step["records"] = _read_json(out)
     return step
 
 
@@ -115,7 +116,7 @@ def memory_ablation(tmp: str, dry_run: bool, gpus: int, timeout_s: float) -> dic
         flags = ["--device", "cuda", "--rungs", *rungs, "--budget-mib", "512"]
     step = run_step([sys.executable, "benchmarks/memory_ablation.py", *flags, "--out", md], timeout_s)
     rows, header = [], None
-    for line in (open(md).read().splitlines() if os.path.exists(md) else []):
+    for line in _read_text(md).splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if line.startswith("| rung"):
             header = cells
@@ -156,6 +157,18 @@ def main(argv: list[str] | None = None) -> int:
             results["ok"] = all(s["status"] == "ok" for s in results["steps"].values())
             _write(args.out, results)
     return 0 if results["ok"] and len(results["steps"]) == len(steps) else 1
+
+
+def _read_text(path: str) -> str:
+    if not os.path.exists(path):
+        return ""
+    with open(path) as f:
+        return f.read()
+
+
+def _read_json(path: str) -> list:
+    text = _read_text(path)
+    return json.loads(text) if text else []
 
 
 def _write(path: str, results: dict) -> None:

@@ -31,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--systems", nargs="+", default=[s for s in SYSTEM_NAMES if s != "ring"], choices=SYSTEM_NAMES,
                         help="default: single ulysses ulysses_chunked deepspeed (ulysses_chunked: "
                         "UlyssesSPConfig(sp_head_chunks=--head-chunks); ring on request)")
-    parser.add_argument("--sp-sizes", nargs="+", type=int, default=[2, 4], help="P values (default 2 4)")
+    parser.add_argument("--sp-sizes", nargs="+", type=int, default=[2], help="P values (default 2)")
     parser.add_argument("--seq-lens", nargs="+", type=int, default=[1024, 2048], help="global S values (default 1024 2048)")
     parser.add_argument("--head-chunks", type=int, default=2, help="head chunks of ulysses_chunked (default 2)")
     parser.add_argument("--batch-size", type=int, default=1)
