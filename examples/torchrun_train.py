@@ -76,6 +76,7 @@ def main() -> None:
             save_state(args.save_dir, model, optimizer, step)
         if step == args.stop_after:
             break
+    dist.barrier()
     dist.destroy_process_group()
 
 
