@@ -22,6 +22,7 @@ import datetime
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 
@@ -80,16 +81,27 @@ class Heartbeat:
         after = [store.add(_key(r), 0) for r in ranks]
         return [r for r, a, b in zip(ranks, before, after) if a == b], wait
 
-    def stop_ranks(self, ranks: list[int]) -> list[int]:
-        """SIGKILL the given ranks' processes that run on this host; the ranks stopped."""
-        store, host, stopped = _store(), socket.gethostname(), []
+    def local_processes(self, ranks: list[int]) -> dict[int, int]:
+        """The pids of the given ranks' processes that run on this host (rank -> pid)."""
+        store, host, found = _store(), socket.gethostname(), {}
         for rank in ranks:
             try:
                 their_host, pid = store.get(_key(rank, "process")).decode().rsplit(" ", 1)
                 if their_host == host:
-                    os.kill(int(pid), signal.SIGKILL)
-                    stopped.append(rank)
-            except (OSError, ValueError, RuntimeError):
+                    found[rank] = int(pid)
+            except (ValueError, RuntimeError):
+                continue
+        return found
+
+    @staticmethod
+    def stop_processes(pids: dict[int, int]) -> list[int]:
+        """SIGKILL the given processes (rank -> pid); the ranks stopped."""
+        stopped = []
+        for rank, pid in pids.items():
+            try:
+                os.kill(pid, signal.SIGKILL)
+                stopped.append(rank)
+            except OSError:
                 continue
         return stopped
 
@@ -114,10 +126,18 @@ def timeout_message(rank: int, timeout_s: float, heartbeat: Heartbeat | None) ->
         silent, wait = None, 0.0
     if silent:
         who = ", ".join(str(r) for r in silent)
-        stopped = heartbeat.stop_ranks(silent) if heartbeat is not None else []
-        ended = f" (rank {', '.join(map(str, stopped))} stopped with SIGKILL so that the run ends now)" if stopped else ""
-        return (f"{head}; rank {who} stopped responding (no heartbeat for {wait:.0f} s): stalled (stopped, "
-                f"swapping, a hung device) or dead{ended}. Raise --ddp-timeout only if steps legitimately take longer.")
+        local = heartbeat.local_processes(silent) if heartbeat is not None else {}
+        ended = (f" (rank {', '.join(map(str, local))} stopped with SIGKILL so that the run ends now)"
+                 if local else "")
+        message = (f"{head}; rank {who} stopped responding (no heartbeat for {wait:.0f} s): stalled (stopped, "
+                   f"swapping, a hung device) or dead{ended}. Raise --ddp-timeout only if steps legitimately "
+                   "take longer.")
+        if local:
+            # The launcher reports whichever worker exits first, often the rank killed here, and then
+            # terminates this one: print the diagnosis before the kill so that it is never lost.
+            print(f"ulysses-sp train: {message}", file=sys.stderr, flush=True)
+            heartbeat.stop_processes(local)
+        return message
     if silent == []:
         return (f"{head}, while every other rank is alive: ranks took different code paths or data (a rank "
                 "skipped or repeated a collective). Raise --ddp-timeout only if steps legitimately take longer.")
