@@ -1,19 +1,29 @@
-"""Name the rank that stalled when a collective times out (``ulysses-sp train`` workers).
+"""Name the rank that stalled, and end the run within ``--ddp-timeout`` (``ulysses-sp train`` workers).
 
-A collective that waits longer than ``--ddp-timeout`` raises on the ranks that reached it; gloo's
-message says only "Timed out waiting 10000ms for recv". Each worker therefore runs a
-:class:`Heartbeat`: a daemon thread that bumps ``heartbeat/<rank>`` in the launcher's TCP store
-(the ``MASTER_ADDR:MASTER_PORT`` store every env:// process group already uses) once a second.
-A stopped (SIGSTOP), swapping or dead process stops bumping. On a timeout the surviving ranks read
-the counters twice and name the ranks whose counters did not move, and stop those of them that run
-on the same host with SIGKILL (a stopped process ignores the launcher's SIGTERM, which would keep the
-run alive 30 s longer)::
+Each worker runs a :class:`Heartbeat`: a daemon thread that bumps ``heartbeat/<rank>`` in the
+launcher's TCP store (the ``MASTER_ADDR:MASTER_PORT`` store every env:// process group already uses)
+once a second. A stopped (SIGSTOP), swapping or dead process stops bumping. Two paths end a run
+whose rank stopped:
 
-    rank 0: a collective waited longer than the 10 s timeout (--ddp-timeout); rank 1 stopped
-    responding (no heartbeat for 3 s): it is stalled or dead. ...
+* **The watch.** Each rank also watches one peer (the next rank, so every rank is watched by
+  exactly one other and the store sees two operations per rank per second at any world size). When
+  the peer's counter has not moved for longer than ``--ddp-timeout`` and the peer has not finished,
+  the watcher prints the diagnosis and stops the peer with SIGKILL when it runs on this host (a
+  stopped process ignores the launcher's SIGTERM), or ends itself when it does not; the launcher then
+  ends the run. This path does not depend on the collective backend honouring its timeout: a gloo
+  collective whose peer was stopped mid-transfer was observed waiting on forever (1 run in 5).
+* **The collective timeout.** A collective that waits longer than ``--ddp-timeout`` raises on the
+  ranks that reached it; gloo's message says only "Timed out waiting 10000ms for recv", so the
+  worker re-raises it with :func:`timeout_message`, which reads the counters and names the silent
+  ranks (or says every rank is alive: ranks took different code paths).
 
-NCCL reports timeouts from its watchdog thread by aborting the process instead of raising; the
-launcher then names the rank that exited.
+Either way one message (the first path to report wins, through a store key) reads::
+
+    ulysses-sp train: rank 0: a collective waited longer than the 10 s timeout (--ddp-timeout);
+    rank 1 stopped responding (no heartbeat for 3 s): stalled ... or dead ...
+
+NCCL reports its own timeouts from its watchdog thread by aborting the process; the launcher then
+names the rank that exited.
 """
 
 from __future__ import annotations
@@ -42,19 +52,19 @@ def _key(rank: int, what: str = "heartbeat") -> str:
 
 
 class Heartbeat:
-    """This rank's liveness counter in the launcher's store, bumped by a daemon thread."""
+    """This rank's liveness counter in the launcher's store, and the watch over the next rank's."""
 
-    def __init__(self, rank: int, world_size: int) -> None:
-        self.rank, self.world_size = rank, world_size
+    def __init__(self, rank: int, world_size: int, timeout_s: float) -> None:
+        self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="ulysses-sp-heartbeat", daemon=True)
 
     @classmethod
-    def start(cls, rank: int, world_size: int) -> Heartbeat | None:
-        """Start beating; None when there is no env:// store to beat into (then nothing is named)."""
+    def start(cls, rank: int, world_size: int, timeout_s: float) -> Heartbeat | None:
+        """Start beating and watching; None when there is no env:// store (then nothing is named)."""
         if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ or world_size < 2:
             return None
-        beat = cls(rank, world_size)
+        beat = cls(rank, world_size, timeout_s)
         beat._thread.start()
         return beat
 
@@ -62,14 +72,42 @@ class Heartbeat:
         try:
             store = _store()
             store.set(_key(self.rank, "process"), f"{socket.gethostname()} {os.getpid()}")
+            peer = (self.rank + 1) % self.world_size
+            seen, moved = -1, time.monotonic()
             while not self._stop.is_set():
                 store.add(_key(self.rank), 1)
+                count = store.add(_key(peer), 0)
+                now = time.monotonic()
+                if count != seen:
+                    seen, moved = count, now
+                elif now - moved > self.timeout_s and not store.check([_key(peer, "done")]):
+                    self._end_silent_peer(peer, now - moved)
+                    return
                 self._stop.wait(INTERVAL_S)
         except Exception:  # the store went away (the run is ending): nothing left to report to
             return
 
+    def _end_silent_peer(self, peer: int, silence: float) -> None:
+        """The watched rank went silent for longer than the timeout: say so, then end the run."""
+        local = self.local_processes([peer])
+        ended = (f" (rank {peer} stopped with SIGKILL so that the run ends now)" if local else
+                 f" (rank {self.rank} exits so that the run ends now)")
+        report_once(f"rank {self.rank}: no heartbeat from rank {peer} for {silence:.0f} s, longer than the "
+                    f"{self.timeout_s:g} s timeout (--ddp-timeout); rank {peer} stopped responding: stalled "
+                    f"(stopped, swapping, a hung device) or dead{ended}. Raise --ddp-timeout only if a rank "
+                    "can legitimately be unresponsive that long.")
+        if local:
+            self.stop_processes(local)
+        else:
+            os._exit(1)
+
     def stop(self) -> None:
+        """Stop beating; a rank that stops is finished, so its watcher does not report it."""
         self._stop.set()
+        try:
+            _store().set(_key(self.rank, "done"), "1")
+        except Exception:  # the store is gone: the run is over anyway
+            pass
 
     def silent_ranks(self) -> tuple[list[int], float]:
         """Ranks (other than this one) whose counter did not move over a few intervals, and the wait."""
@@ -106,6 +144,20 @@ class Heartbeat:
         return stopped
 
 
+def report_once(message: str) -> None:
+    """Print ``message`` to stderr unless another rank already reported this run's stall.
+
+    The launcher reports whichever worker exits first (often the rank stopped here) and terminates
+    the others, losing their errors: the diagnosis is printed before anything is stopped.
+    """
+    try:
+        first = _store().add(_key(0, "reported"), 1) == 1
+    except Exception:  # no store: print rather than lose it
+        first = True
+    if first:
+        print(f"\nulysses-sp train: {message}", file=sys.stderr, flush=True)
+
+
 def is_timeout(err: BaseException) -> bool:
     """Whether ``err`` (or an exception it was raised from) is a collective timing out."""
     seen: BaseException | None = err
@@ -133,9 +185,7 @@ def timeout_message(rank: int, timeout_s: float, heartbeat: Heartbeat | None) ->
                    f"swapping, a hung device) or dead{ended}. Raise --ddp-timeout only if steps legitimately "
                    "take longer.")
         if local:
-            # The launcher reports whichever worker exits first, often the rank killed here, and then
-            # terminates this one: print the diagnosis before the kill so that it is never lost.
-            print(f"ulysses-sp train: {message}", file=sys.stderr, flush=True)
+            report_once(message)
             heartbeat.stop_processes(local)
         return message
     if silent == []:

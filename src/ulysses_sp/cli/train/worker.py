@@ -114,7 +114,7 @@ def main(argv: list[str], output_dir: str, use_cuda: bool) -> dict[str, Any] | N
     """
     margs, spargs, _, targs = options.parse(argv, use_cuda=use_cuda)
     _init_distributed(use_cuda, targs.ddp_timeout)
-    heartbeat = Heartbeat.start(dist.get_rank(), dist.get_world_size())
+    heartbeat = Heartbeat.start(dist.get_rank(), dist.get_world_size(), targs.ddp_timeout)
     try:
         return _train(margs, spargs, targs, output_dir)
     except Exception as err:
