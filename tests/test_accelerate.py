@@ -90,8 +90,8 @@ def _errors_worker(rank, world_size):
     sp = UlyssesAccelerate(accelerator, UlyssesSPConfig(sp_size=2))
     one_head = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                             num_attention_heads=1, num_key_value_heads=1))
-    with pytest.raises(ValueError, match="sp_size 2 > num_attention_heads 1"):
-        sp.prepare(one_head)
+    with pytest.raises(ValueError, match="all-to-all over 2 ranks > num_attention_heads 1"):
+        UlyssesAccelerate(accelerator, UlyssesSPConfig(sp_size=2, sp_ring_size=1)).prepare(one_head)
     model = tiny_model("llama")
     data = [{"input_ids": torch.arange(1, 13)} for _ in range(6)]  # 3 batches of 2: not a multiple of 2
     with pytest.raises(ValueError, match="not a multiple of gradient_accumulation_steps=2"):

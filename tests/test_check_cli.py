@@ -74,6 +74,8 @@ def test_missing_model_path_exits_2(tmp_path, capsys):
 def test_sp_size_larger_than_heads_exits_2_with_ulysses_message(llama_dir, capsys):
     """Catches spawning P processes for a model UlyssesSP refuses: the refusal (with its fix) is
     printed and nothing is launched."""
-    assert main(["check", str(llama_dir), "--sp-size", "16"]) == 2
+    assert main(["check", str(llama_dir), "--sp-size", "16", "--sp-ring-size", "1"]) == 2
     err = capsys.readouterr().err
-    assert "cannot be made sequence-parallel" in err and "sp_size 16 > num_attention_heads 8" in err
+    assert "cannot be made sequence-parallel" in err and "all-to-all over 16 ranks > num_attention_heads 8" in err
+    assert main(["check", str(llama_dir), "--sp-size", "4", "--sp-ring-size", "3"]) == 2
+    assert "sp_ring_size=3 does not divide sp_size=4" in capsys.readouterr().err

@@ -364,7 +364,7 @@ def _mesh_timeout_worker(rank, world):
 @pytest.mark.parametrize("argv, message", [
     (["--budget-gib", "0"], "--budget-gib must be a positive number"),
     (["--budget-gib", "nan"], "--budget-gib must be a positive number"),
-    (["--sp-size", "64"], "sp_size 64 > num_attention_heads 32"),
+    (["--sp-size", "64", "--sp-ring-size", "1"], "all-to-all over 64 ranks > num_attention_heads 32"),
     (["--seq-len", "0"], "--seq-len must be >= 1"),
 ])
 def test_plan_refuses_what_train_refuses(argv, message, capsys):

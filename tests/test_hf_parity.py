@@ -37,14 +37,17 @@ def reference(family, kind, checkpointing=False):
     return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
-def sp_run(family, kind, mesh, checkpointing=False, tiled_mlp_tokens=None, tiled_loss_tokens=None, backend="ulysses"):
+def sp_run(family, kind, mesh, checkpointing=False, tiled_mlp_tokens=None, tiled_loss_tokens=None, backend="ulysses",
+           ring_size=None, head_chunks=1, expect_ring=None):
     model = tiny_model(family)
     if checkpointing:
         model.gradient_checkpointing_enable()
         model.train()
     config = UlyssesSPConfig(sp_size=mesh.sp_size, sp_backend=backend, tiled_mlp_tokens=tiled_mlp_tokens,
-                             tiled_loss_tokens=tiled_loss_tokens)
+                             tiled_loss_tokens=tiled_loss_tokens, sp_ring_size=ring_size, sp_head_chunks=head_chunks)
     with UlyssesSP(model, mesh, config) as sp:
+        if expect_ring is not None:  # the Ulysses x ring split that was chosen (all-to-all degree x ring)
+            assert (sp.attention.a2a_size, sp.attention.ring_size) == expect_ring
         num_tiled = sum(type(m).__name__ == "TiledMLP" for m in model.modules())
         assert num_tiled == (model.config.num_hidden_layers if tiled_mlp_tokens else 0)
         shard = sp.shard(tiny_batch(kind))
@@ -60,10 +63,12 @@ def sp_run(family, kind, mesh, checkpointing=False, tiled_mlp_tokens=None, tiled
     return reported_loss(loss.detach(), mesh.sp_size, mesh.sp_group), grads
 
 
-def check(family, kind, mesh, checkpointing=False, tiled_mlp_tokens=None, tiled_loss_tokens=None, backend="ulysses"):
+def check(family, kind, mesh, checkpointing=False, tiled_mlp_tokens=None, tiled_loss_tokens=None, backend="ulysses",
+          **two_d):
     ref_loss, ref_grads = reference(family, kind, checkpointing)
-    loss, grads = sp_run(family, kind, mesh, checkpointing, tiled_mlp_tokens, tiled_loss_tokens, backend)
-    where = f"{family}/{kind}/P={mesh.sp_size}/{backend}/tiled_mlp={tiled_mlp_tokens}/tiled_loss={tiled_loss_tokens}"
+    loss, grads = sp_run(family, kind, mesh, checkpointing, tiled_mlp_tokens, tiled_loss_tokens, backend, **two_d)
+    where = (f"{family}/{kind}/P={mesh.sp_size}/{backend}/tiled_mlp={tiled_mlp_tokens}/tiled_loss={tiled_loss_tokens}"
+             f"/{two_d}")
     # fp32: only summation order differs (shard-wise weight-grad sums, per-document or GQA kernels);
     # observed <= 2e-6 relative. 1e-5 / 1e-4 leave margin; a wrong mask or shard gives >1e-2.
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5, msg=lambda m: f"{where} loss: {m}")
@@ -126,6 +131,17 @@ PLAN = {
 # sp_backend="ring" through the same UlyssesSP path: any head count (2 heads on 4 ranks), windows
 RING_PLAN = {3: [("llama", "packed")], 4: [("llama_n2", "padding"), ("mistral", "packed")]}
 
+# Ulysses x ring (sp_backend="ulysses"): all-to-all inside groups of A ranks, ring across R groups.
+# (family, kind, options): automatic split when P > N, explicit sp_ring_size, K < A, windows, head chunks.
+TWO_D_PLAN = {
+    3: [("llama_n2", "packed", dict(expect_ring=(1, 3))),  # 2 heads on 3 ranks: the only split is a ring of 3
+        ("llama", "padding", dict(ring_size=3, expect_ring=(1, 3)))],
+    4: [("llama_n2", "padding", dict(expect_ring=(2, 2))),  # automatic: all-to-all over 2, ring of 2
+        ("llama_n2", "packed", dict(expect_ring=(2, 2))),
+        ("llama_k1", "packed", dict(ring_size=2, expect_ring=(2, 2))),  # one kv head for both a2a ranks
+        ("mistral", "packed", dict(ring_size=2, expect_ring=(2, 2))),  # sliding window across segments
+        ("qwen3", "odd", dict(ring_size=2, head_chunks=3, expect_ring=(2, 2)))],  # 3 heads a rank, in 3 chunks
+}
 
 def _worker(rank, world):
     mesh = SPMesh.from_world(world)
@@ -133,6 +149,8 @@ def _worker(rank, world):
         check(family, kind, mesh)
     for family, kind in RING_PLAN.get(world, []):
         check(family, kind, mesh, backend="ring")
+    for family, kind, two_d in TWO_D_PLAN.get(world, []):
+        check(family, kind, mesh, **two_d)
     if world == 2:
         check("llama", "padding", mesh, checkpointing=True)
         check("stablelm", "padding", mesh, checkpointing=True)  # the recompute finds the call's mask too
@@ -153,8 +171,22 @@ def test_loss_and_every_gradient_match_one_process(world):
     norm, fused qkv, GQA with K < P) or batch handling (padding, packed documents, S % P != 0,
     shift at shard boundaries) differ under SP from one process; P=1 must equal plain transformers.
     P=2 also covers gradient checkpointing and the error for a batch without the global mask.
-    P=3/4 also run sp_backend="ring" (a config choice reaching the ring, including more ranks than heads)."""
+    P=3/4 also run sp_backend="ring" (a config choice reaching the ring, including more ranks than heads)
+    and Ulysses x ring (TWO_D_PLAN: sp_size above the head count, K < A, windows, head chunks)."""
     spawn(_worker, world)
+
+
+def _worker_8(rank, world):
+    mesh = SPMesh.from_world(world)
+    check("llama_n4k1", "packed", mesh, expect_ring=(4, 2))  # automatic: all-to-all over the 4 heads, ring of 2
+    check("llama_n4k1", "padding", mesh, ring_size=4, expect_ring=(2, 4))
+
+
+def test_ulysses_x_ring_with_more_ranks_than_heads_at_8_ranks():
+    """Bug caught: sp_size > num_attention_heads refused (a 4-head, 1-kv-head model could not use 8
+    ranks). P=8 with N=4, K=1: the automatic split (all-to-all over 4, ring of 2) and an explicit
+    ring of 4 equal one process in loss and every gradient, with packed documents and padding."""
+    spawn(_worker_8, 8)
 
 
 def test_unsupported_models_are_refused_at_registration():
@@ -174,5 +206,7 @@ def test_unsupported_models_are_refused_at_registration():
     with pytest.raises(ValueError, match="linear / recurrent / hybrid"):
         UlyssesSP(tf.AutoModelForCausalLM.from_config(cfg), FakeMesh())
     FakeMesh.sp_size = 16
-    with pytest.raises(ValueError, match="sp_size 16 > num_attention_heads 8"):
-        UlyssesSP(tiny_model("llama"), FakeMesh())
+    with pytest.raises(ValueError, match="all-to-all over 16 ranks > num_attention_heads 8: use sp_ring_size >= 2"):
+        UlyssesSP(tiny_model("llama"), FakeMesh(), UlyssesSPConfig(sp_size=16, sp_ring_size=1))
+    with pytest.raises(ValueError, match="Ulysses x ring when sp_size > num_attention_heads"):  # the ring cannot softcap
+        UlyssesSP(tiny_model("gemma2"), FakeMesh(), UlyssesSPConfig(sp_size=16))

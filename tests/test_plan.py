@@ -43,16 +43,18 @@ def plan_error(capsys, *args: str) -> str:
 
 
 def test_refuses_what_train_refuses_with_the_same_message(tmp_path, capsys):
-    """Bug caught: the planner predicting memory for a run ``train`` would refuse (sp 64 on a
-    32-head model, a non-causal encoder-decoder model), or with a different message than the one
+    """Bug caught: the planner predicting memory for a run ``train`` would refuse (sp 64 with an
+    all-to-all over 64 ranks on a 32-head model, a non-causal encoder-decoder model), or with a different message than the one
     ``check_model_support`` (train's check) gives for the same model."""
     config = tf.AutoConfig.for_model("llama", **PRESETS["llama-3-8b"])
     with torch.device("meta"):
         model = tf.AutoModelForCausalLM.from_config(config)
     with pytest.raises(ValueError) as expected:
-        check_model_support(model, UlyssesSPConfig(sp_size=64))
-    err = plan_error(capsys, *LLAMA_8B, "--seq-len", "131072", "--sp-size", "64", "--budget-gib", "80")
+        check_model_support(model, UlyssesSPConfig(sp_size=64, sp_ring_size=1))
+    err = plan_error(capsys, *LLAMA_8B, "--seq-len", "131072", "--sp-size", "64", "--sp-ring-size", "1",
+                     "--budget-gib", "80")
     assert str(expected.value) in err and "num_attention_heads 32" in err
+    check_model_support(model, UlyssesSPConfig(sp_size=64))  # automatic Ulysses x ring (32 x 2): accepted
 
     bart = tf.BartConfig(vocab_size=128, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
                          decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64)

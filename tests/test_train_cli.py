@@ -148,7 +148,8 @@ def test_collator_restarts_positions_and_masks_document_starts():
 
 @pytest.mark.parametrize("argv, message", [
     (["--bogus-flag", "1"], "unknown option(s): --bogus-flag"),
-    (["--sp-size", "8", "--num-heads", "4"], "sp_size 8 > num_attention_heads 4"),
+    (["--sp-size", "8", "--num-heads", "4", "--sp-ring-size", "1"], "all-to-all over 8 ranks > num_attention_heads 4"),
+    (["--sp-size", "4", "--sp-ring-size", "3"], "sp_ring_size=3 does not divide sp_size=4"),
     (["--seq-len", "33"], "even --seq-len"),
     (["--sp-size", "2", "--nproc-per-node", "3"], "make them equal"),
     (["--offload-activations"], "add --activation-checkpointing"),

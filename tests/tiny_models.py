@@ -15,6 +15,8 @@ def tiny_config(family: str):
         return tf.LlamaConfig(**COMMON, num_attention_heads=8, num_key_value_heads=8), "eager"
     if family == "llama_n2":  # fewer query heads than ranks (ring backend only)
         return tf.LlamaConfig(**COMMON, num_attention_heads=2, num_key_value_heads=1), "sdpa"
+    if family == "llama_n4k1":  # 4 query heads, 1 kv head: Ulysses x ring at P=8
+        return tf.LlamaConfig(**COMMON, num_attention_heads=4, num_key_value_heads=1), "sdpa"
     if family == "llama_k1":  # GQA with K=1 < P
         return tf.LlamaConfig(**COMMON, num_attention_heads=8, num_key_value_heads=1), "sdpa"
     if family == "mistral":  # sliding window shorter than the sequence

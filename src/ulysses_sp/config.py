@@ -70,6 +70,12 @@ class UlyssesSPConfig:
             collectives per layer instead of 2 + 2, the same bytes, the transient full-sequence
             buffers of about two chunks at a time (the kernels' saved tensors are unchanged). At
             most the heads a rank holds are used. 1 = no chunking.
+        sp_ring_size: ``ulysses`` only: Ulysses x ring (2-D sequence parallelism), ``sp_size =
+            a2a x ring``: the all-to-all runs inside groups of ``sp_size // sp_ring_size``
+            consecutive ranks and ring attention runs across the groups (for the heads each rank
+            holds after the all-to-all). None = automatic: 1 (plain Ulysses) when the model has at
+            least ``sp_size`` query heads, else the smallest ring that brings the all-to-all degree
+            down to at most the head count (``auto_ring_size``). Must divide ``sp_size``.
 
     Raises:
         ValueError: at construction, for a value no entry point could honour.
@@ -86,6 +92,8 @@ class UlyssesSPConfig:
                                        "activation checkpointing)")
     sp_head_chunks: int = _field(1, "ulysses: heads per rank in this many chunks, each chunk's all-to-all "
                                  "overlapped with the previous chunk's attention (1 = no chunking)")
+    sp_ring_size: int | None = _field(None, "ulysses x ring: ring degree (sp_size = all-to-all degree x ring); "
+                                      "default: 1, or the smallest ring the head count needs")
 
     def __post_init__(self) -> None:
         _positive_int("sp_size", self.sp_size)
@@ -102,6 +110,13 @@ class UlyssesSPConfig:
         if self.sp_head_chunks != 1 and self.sp_backend != "ulysses":
             raise ValueError(f"sp_head_chunks={self.sp_head_chunks} applies to sp_backend='ulysses' only; "
                              f"set sp_head_chunks=1 with sp_backend={self.sp_backend!r}.")
+        _positive_int("sp_ring_size", self.sp_ring_size, allow_none=True)
+        if self.sp_ring_size is not None and self.sp_size % self.sp_ring_size:
+            raise ValueError(f"sp_ring_size={self.sp_ring_size} does not divide sp_size={self.sp_size}; use a divisor "
+                             f"of sp_size ({[d for d in range(1, self.sp_size + 1) if self.sp_size % d == 0]}) or None.")
+        if self.sp_ring_size not in (None, 1) and self.sp_backend != "ulysses":
+            raise ValueError(f"sp_ring_size={self.sp_ring_size} applies to sp_backend='ulysses' only (Ulysses x ring); "
+                             f"sp_backend={self.sp_backend!r} already is a ring over all sp_size ranks: leave it None.")
         if not isinstance(self.offload_activations, bool):
             raise ValueError(f"offload_activations must be True or False, got {self.offload_activations!r}.")
 
@@ -122,6 +137,12 @@ class UlyssesSPConfig:
         """A copy with ``changes`` applied (validated like a new object)."""
         return dataclasses.replace(self, **changes)
 
+    def ring_size_for(self, num_heads: int) -> int:
+        """The ring degree used for a model with ``num_heads`` query heads (1 = plain Ulysses)."""
+        if self.sp_backend != "ulysses":
+            return 1
+        return self.sp_ring_size if self.sp_ring_size is not None else auto_ring_size(self.sp_size, num_heads)
+
     def validate(self, world_size: int) -> None:
         """Raise before training if ``sp_size`` cannot split ``world_size`` ranks."""
         check_sp_size(self.sp_size, world_size)
@@ -132,3 +153,12 @@ class UlyssesSPConfig:
         ``timeout_s``: collective timeout of the SP / DP groups (default ``comm.mesh.DEFAULT_TIMEOUT_S``).
         """
         return SPMesh.from_world(self.sp_size, device_type=device_type, timeout_s=timeout_s)
+
+
+def auto_ring_size(sp_size: int, num_heads: int) -> int:
+    """The smallest ring degree ``R`` (a divisor of ``sp_size``) with ``sp_size // R <= num_heads``.
+
+    That is the largest all-to-all degree the heads allow: plain Ulysses (``R = 1``) whenever
+    ``sp_size <= num_heads``; e.g. ``sp_size=16, num_heads=6`` gives ``R = 4`` (all-to-all over 4).
+    """
+    return next(r for r in range(1, sp_size + 1) if sp_size % r == 0 and sp_size // r <= max(num_heads, 1))

@@ -11,6 +11,16 @@ Shape legend: see ``ulysses_sp.comm.layout``.
         | 4. one all-to-all back
     o (B,s,N,Hv)                 my tokens, all heads
 
+Ulysses x ring (``ring_group`` given, 2-D sequence parallelism): ``sp_group`` is one of ``R``
+all-to-all groups of ``A`` consecutive ranks (a contiguous segment of ``A*s`` tokens), and step 3
+is ring attention (``attention.ring``) over the ``R`` segments, among the ranks that hold the same
+heads::
+
+    q (B,n,A*s,H)  my heads, my segment's tokens  --ring over R segments-->  o (B,A*s,n,Hv)
+
+Per layer: the all-to-all bytes of Ulysses at degree ``A`` plus the ring's ``R-1`` k/v hops of the
+local heads (``comm.cost``); any ``sp_size = A*R`` with ``A <= N``, so more ranks than heads work.
+
 With ``head_chunks=C > 1`` steps 1-4 run per chunk of this rank's heads (``HeadPlan.chunks``),
 the exchanges of neighbouring chunks in flight while a chunk computes
 (``comm.all_to_all.head_chunked_attention``): 2C collectives forward and 2C backward, the same
@@ -26,6 +36,7 @@ from torch.distributed import ProcessGroup
 from ulysses_sp.attention.contract import check_inputs_across_ranks
 from ulysses_sp.attention.kernels import Kernel, get_kernel
 from ulysses_sp.attention.masks import GlobalMask
+from ulysses_sp.attention.ring import RingAttention
 from ulysses_sp.comm.all_to_all import head_chunked_attention, head_to_seq_out, seq_to_head_qkv
 from ulysses_sp.comm.layout import HeadChunk, HeadPlan
 
@@ -41,7 +52,12 @@ class UlyssesAttention:
         head_chunks: process this rank's query heads in this many chunks, overlapping each chunk's
             exchanges with its neighbour's compute (1 = one exchange each way, no overlap). At most
             the largest local head count is used (``HeadPlan.num_chunks``).
+        ring_group: Ulysses x ring: the ranks holding the same heads of the other segments
+            (``SPMesh.ulysses_ring_groups``); ring attention replaces ``kernel`` (its own block
+            kernels: causal, packed documents, padding, sliding window; no softcapping, no dropout).
+            ``None`` (default): plain Ulysses.
 
+    ``sp_size`` is the whole sequence-parallel degree (``A * R``; ``A`` without a ring).
     The first call checks, with one small all-gather, that every rank passes the same shapes and
     dtype (a mismatch would otherwise crash or hang the all-to-all) and raises ``ValueError`` on
     all ranks if not. Later calls trust their shapes: per-step consistency is checked once per
@@ -49,13 +65,20 @@ class UlyssesAttention:
     (2C and 2C with C head chunks).
     """
 
-    def __init__(self, sp_group: ProcessGroup | None, kernel: str | Kernel = "sdpa", head_chunks: int = 1) -> None:
+    def __init__(
+        self, sp_group: ProcessGroup | None, kernel: str | Kernel = "sdpa", head_chunks: int = 1,
+        ring_group: ProcessGroup | None = None,
+    ) -> None:
         if isinstance(head_chunks, bool) or not isinstance(head_chunks, int) or head_chunks < 1:
             raise ValueError(f"head_chunks must be a positive integer, got {head_chunks!r}.")
         self.sp_group = sp_group
-        self.sp_size = 1 if sp_group is None else dist.get_world_size(sp_group)
-        self.sp_rank = 0 if sp_group is None else dist.get_rank(sp_group)
-        self.kernel: Kernel = get_kernel(kernel) if isinstance(kernel, str) else kernel
+        self.a2a_size = 1 if sp_group is None else dist.get_world_size(sp_group)
+        self.sp_rank = 0 if sp_group is None else dist.get_rank(sp_group)  # rank in the all-to-all group
+        self.ring = RingAttention(ring_group) if ring_group is not None else None
+        self.ring_size = 1 if self.ring is None else self.ring.sp_size
+        self.sp_size = self.a2a_size * self.ring_size
+        self.kernel: Kernel = self.ring if self.ring is not None else (
+            get_kernel(kernel) if isinstance(kernel, str) else kernel)
         self.head_chunks = head_chunks
         self._plans: dict[tuple[int, int], HeadPlan] = {}
         self._chunks: dict[tuple[int, int], tuple[HeadChunk, ...]] = {}
@@ -65,7 +88,7 @@ class UlyssesAttention:
         """The head split for ``num_heads`` query and ``num_kv_heads`` kv heads (validated, cached)."""
         key = (num_heads, num_kv_heads)
         if key not in self._plans:
-            self._plans[key] = HeadPlan(num_heads, num_kv_heads, self.sp_size)
+            self._plans[key] = HeadPlan(num_heads, num_kv_heads, self.a2a_size)
         return self._plans[key]
 
     def __call__(
@@ -113,7 +136,7 @@ class UlyssesAttention:
                 k, v = k.index_select(1, index), v.index_select(1, index)
             return self.kernel(q, k, v, mask, **kw)  # 3.
 
-        if self.sp_size > 1 and plan.num_chunks(self.head_chunks) > 1:
+        if self.a2a_size > 1 and plan.num_chunks(self.head_chunks) > 1:
             key = (N, plan.num_kv_heads)
             if key not in self._chunks:
                 self._chunks[key] = plan.chunks(self.head_chunks)

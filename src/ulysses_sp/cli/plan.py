@@ -58,6 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help=f"a local model directory (config.json) or a preset: {', '.join(PRESETS)}")
     parser.add_argument("--seq-len", type=int, required=True, help="global tokens per sequence (S)")
     parser.add_argument("--sp-size", type=int, default=1, help="Ulysses SP degree (P)")
+    parser.add_argument("--sp-ring-size", type=int, default=None,
+                        help="Ulysses x ring: ring degree (default: 1, or the smallest the head count needs); the "
+                        "memory per rank is the same per token")
     parser.add_argument("--budget-gib", type=float, required=True, help="device memory per rank (GiB)")
     parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
     parser.add_argument("--batch-size", type=int, default=1, help="sequences per micro-batch")
@@ -97,7 +100,7 @@ PRESET_TYPES = {"llama-3.2-1b": "llama", "llama-3-8b": "llama", "llama-3-70b": "
                 "mixtral-8x7b": "mixtral", "bench-tiny": "llama"}
 
 
-def check_support(name: str, config: Any, sp_size: int) -> None:
+def check_support(name: str, config: Any, sp_size: int, sp_ring_size: int | None = None) -> None:
     """``ValueError`` with UlyssesSP's own message if the model cannot train with ``sp_size`` (meta device:
     no weights are allocated)."""
     import torch
@@ -111,7 +114,7 @@ def check_support(name: str, config: Any, sp_size: int) -> None:
         config = AutoConfig.from_pretrained(name, local_files_only=True)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    check_model_support(model, UlyssesSPConfig(sp_size=sp_size))
+    check_model_support(model, UlyssesSPConfig(sp_size=sp_size, sp_ring_size=sp_ring_size))
 
 
 def ladder(args: argparse.Namespace) -> list[tuple[str, Any]]:
@@ -153,7 +156,7 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
 
     _check_numbers(args)
     config = load_config(args.model)
-    check_support(args.model, config, args.sp_size)
+    check_support(args.model, config, args.sp_size, args.sp_ring_size)
     scale, reserve = args.peak_scale, int(args.reserve_gib * 2**30)
     budget = int(args.budget_gib * 2**30)
     host_budget = int(args.host_gib * 2**30) if args.host_gib is not None else None

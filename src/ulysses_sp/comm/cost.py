@@ -20,6 +20,12 @@ Shape legend: B batch, S global sequence, s = S/P, N query heads, K kv heads, H 
                      again plus P hops of fp32 dk|dv: (P-1)*B*s*K*2H*b + P*B*s*K*2H*4.
                      P-1 P2P exchanges forward, 2P-1 backward.
 
+    ulysses_ring     Ulysses x ring, P = A*R: the ulysses terms at degree A (same s = S/P tokens a
+                     rank), then the ring over R segments of A*s tokens for the k_r kv heads this
+                     rank holds after the exchange (k_r = n_r when its grouping is irregular):
+                     forward + (R-1)*B*A*s*k_r*2H*b; backward + (R-1)*B*A*s*k_r*2H*b +
+                     R*B*A*s*k_r*2H*4. Collectives: 2 + (R-1) forward, 2 + (2R-1) backward.
+
 Ulysses / ring crossover (forward bytes, K >= P): ring/ulysses = P*K / (N + K): ring sends less
 for small P with grouped kv heads and more once P > (N + K)/K; ring's hops are sequential while
 the all-to-all is one step, and ring's causal work is unbalanced over contiguous shards.
@@ -44,13 +50,31 @@ class AttentionComm:
 
 
 def attention_comm(
-    system: str, P: int, B: int, S: int, N: int, K: int, H: int, itemsize: int, rank: int = 0, head_chunks: int = 1
+    system: str, P: int, B: int, S: int, N: int, K: int, H: int, itemsize: int, rank: int = 0, head_chunks: int = 1,
+    ring_size: int = 1,
 ) -> AttentionComm:
     """The communication model of ``system`` for one attention layer (see the module docstring).
 
     ``head_chunks``: ``sp_head_chunks`` of the ``ulysses`` system (same bytes, 2C + 2C collectives).
+    ``ring_size``: ``R`` of the ``ulysses_ring`` system (``rank`` is the SP rank; its all-to-all
+    rank is ``rank % (P // R)``).
     """
     s = S // P
+    if system == "ulysses_ring":
+        if P % ring_size or head_chunks != 1:
+            raise ValueError(f"ulysses_ring needs ring_size dividing P={P} and head_chunks=1, got {ring_size}, "
+                             f"{head_chunks}.")
+        A, R = P // ring_size, ring_size
+        inner = attention_comm("ulysses", A, B, s * A, N, K, H, itemsize, rank % A)
+        n_r, k_r = HeadPlan(N, K, A).num_local_heads(rank % A)
+        if HeadPlan(N, K, A).local_group_size(rank % A) is None:
+            k_r = n_r  # irregular grouping: k/v expanded to one head per query head before the ring
+        kv = B * A * s * k_r * 2 * H
+        return AttentionComm(inner.bytes_forward + (R - 1) * kv * itemsize,
+                             inner.bytes_backward + (R - 1) * kv * itemsize + R * kv * 4,
+                             inner.collectives_forward + R - 1, inner.collectives_backward + 2 * R - 1,
+                             f"ulysses at A={A} + ring over R={R}: fwd (R-1)*B*A*s*2k_rH*b; "
+                             "bwd (R-1)*B*A*s*2k_rH*b + R*B*A*s*2k_rH*4")
     if P == 1 or system == "single":
         return AttentionComm(0, 0, 0, 0, "no communication")
     if head_chunks != 1 and system != "ulysses":

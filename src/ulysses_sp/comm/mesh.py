@@ -90,6 +90,31 @@ class SPMesh:
         """This rank's data-parallel replica index (which batch it reads), 0..dp_size-1."""
         return self.device_mesh.get_local_rank("dp")
 
+    def ulysses_ring_groups(self, ring_size: int) -> tuple[ProcessGroup, ProcessGroup]:
+        """This rank's (all-to-all group, ring group) for Ulysses x ring with ``ring_size`` rings.
+
+        Collective over the whole world (every rank must call it, in the same order). The SP group
+        of ``P = A * R`` ranks splits into ``R`` all-to-all groups of ``A`` consecutive SP ranks
+        (so each holds a contiguous segment of ``A * s`` tokens) and ``A`` ring groups of the SP
+        ranks with the same position in their all-to-all group (the same heads after the
+        exchange)::
+
+            sp ranks 0..7, ring_size 2:   a2a [0 1 2 3] [4 5 6 7]     ring [0 4] [1 5] [2 6] [3 7]
+
+        Both use the mesh's ``timeout_s``.
+        """
+        P = self.sp_size
+        if not isinstance(ring_size, int) or ring_size < 1 or P % ring_size:
+            raise ValueError(f"ring_size must be a positive divisor of sp_size={P}, got {ring_size!r}.")
+        A = P // ring_size
+        rows = self.device_mesh.mesh.view(self.dp_size, P).tolist()
+        timeout = datetime.timedelta(seconds=self.timeout_s)
+        a2a, _ = dist.new_subgroups_by_enumeration(
+            [row[j * A:(j + 1) * A] for row in rows for j in range(ring_size)], timeout=timeout)
+        ring, _ = dist.new_subgroups_by_enumeration(
+            [row[i::A] for row in rows for i in range(A)], timeout=timeout)
+        return a2a, ring
+
     @property
     def device(self) -> torch.device:
         """The device this rank computes on."""

@@ -33,7 +33,7 @@ from transformers import AttentionInterface, PreTrainedModel
 
 from ulysses_sp.attention import KERNELS, GlobalMask, SPAttention, build_attention
 from ulysses_sp.comm.mesh import SPMesh
-from ulysses_sp.config import IGNORE_INDEX, UlyssesSPConfig
+from ulysses_sp.config import IGNORE_INDEX, UlyssesSPConfig, auto_ring_size
 from ulysses_sp.data import ShardedBatch, check_batch, shard_batch
 from ulysses_sp.integrations.hf_internals import (
     current_attn_implementation, dispatches_attention, unregister_attention_function,
@@ -67,8 +67,13 @@ def _base_model(model: torch.nn.Module) -> PreTrainedModel:
     )
 
 
-def unsupported_reasons(model: PreTrainedModel, sp_size: int, kernel: str, backend: str = "ulysses") -> list[str]:
-    """Why ``model`` cannot run under sequence parallelism with ``kernel`` / ``backend`` (empty: it can)."""
+def unsupported_reasons(
+    model: PreTrainedModel, sp_size: int, kernel: str, backend: str = "ulysses", ring_size: int | None = None
+) -> list[str]:
+    """Why ``model`` cannot run under sequence parallelism with ``kernel`` / ``backend`` (empty: it can).
+
+    ``ring_size``: ``UlyssesSPConfig.sp_ring_size`` (Ulysses x ring; None = automatic).
+    """
     config = model.config.get_text_config()
     reasons = []
     if getattr(model.config, "is_encoder_decoder", False):
@@ -88,9 +93,10 @@ def unsupported_reasons(model: PreTrainedModel, sp_size: int, kernel: str, backe
     K = getattr(config, "num_key_value_heads", None) or N
     if N is None:
         reasons.append("the config has no num_attention_heads")
-    elif sp_size > N and backend == "ulysses":
-        reasons.append(f"sp_size {sp_size} > num_attention_heads {N}: use sp_size <= {N} and data parallelism for the rest, "
-                       "or sp_backend='ring' (any head count)")
+    elif backend == "ulysses" and sp_size // (ring_size or auto_ring_size(sp_size, N)) > N:
+        reasons.append(f"sp_ring_size {ring_size} leaves an all-to-all over {sp_size // ring_size} ranks > "
+                       f"num_attention_heads {N}: use sp_ring_size >= {auto_ring_size(sp_size, N)} (a divisor of "
+                       f"sp_size {sp_size}) or None to choose it")
     elif N % K:
         reasons.append(f"num_attention_heads {N} is not a multiple of num_key_value_heads {K}")
     layer_types = set(getattr(config, "layer_types", None) or [])
@@ -108,9 +114,14 @@ def unsupported_reasons(model: PreTrainedModel, sp_size: int, kernel: str, backe
         reasons.append("ALiBi position bias is not passed to attention functions and cannot be sharded")
     if any(getattr(m, "sinks", None) is not None for m in model.modules()):
         reasons.append("attention sinks (learned per-head logits) are not supported by the Ulysses kernels")
-    if backend == "ring" and getattr(config, "attn_logit_softcapping", None):
-        reasons.append("the model uses attention logit softcapping, which the ring backend cannot apply: "
-                       "use sp_backend='ulysses' with attn_implementation='eager' (or flash / flex on GPU)")
+    ring = backend == "ring" or (backend == "ulysses" and N is not None and
+                                  (ring_size or auto_ring_size(sp_size, N)) > 1)
+    if ring and getattr(config, "attn_logit_softcapping", None):
+        fix = ("use sp_size <= num_attention_heads (plain Ulysses) with attn_implementation='eager' (or flash / flex "
+               "on GPU)") if backend == "ulysses" else ("use sp_backend='ulysses' with attn_implementation='eager' (or "
+                                                        "flash / flex on GPU)")
+        reasons.append("the model uses attention logit softcapping, which ring attention (sp_backend='ring', or "
+                       f"Ulysses x ring when sp_size > num_attention_heads) cannot apply: {fix}")
     elif kernel == "sdpa" and getattr(config, "attn_logit_softcapping", None):
         reasons.append(
             "the model uses attention logit softcapping, which SDPA cannot apply: load it with "
@@ -132,7 +143,7 @@ def check_model_support(model: torch.nn.Module, config: UlyssesSPConfig) -> str:
     kernel = config.sp_attn_implementation or current or "sdpa"
     if kernel not in KERNELS:
         raise ValueError(f"attention implementation {kernel!r} cannot run under Ulysses SP; use one of {sorted(KERNELS)}.")
-    reasons = unsupported_reasons(base, config.sp_size, kernel, config.sp_backend)
+    reasons = unsupported_reasons(base, config.sp_size, kernel, config.sp_backend, config.sp_ring_size)
     if reasons:
         raise ValueError(f"{type(base).__name__} cannot be made sequence-parallel: " + "; ".join(reasons) + ".")
     return kernel
@@ -191,9 +202,15 @@ class UlyssesSP:
         self.mesh = mesh
         self.kernel = check_model_support(self.base, config)
         self.offload = ActivationOffload(model) if config.offload_activations else None
-        self.attention: SPAttention = build_attention(
-            config.sp_backend, mesh.sp_group if mesh.sp_size > 1 else None, self.kernel, config.sp_head_chunks
-        )
+        self.ring_size = config.ring_size_for(self.base.config.get_text_config().num_attention_heads)
+        if self.ring_size > 1:  # Ulysses x ring: all-to-all inside sp_size // ring_size ranks, a ring across
+            a2a_group, ring_group = mesh.ulysses_ring_groups(self.ring_size)
+            self.attention: SPAttention = build_attention(
+                "ulysses", a2a_group, self.kernel, config.sp_head_chunks, ring_group=ring_group)
+        else:
+            self.attention = build_attention(
+                config.sp_backend, mesh.sp_group if mesh.sp_size > 1 else None, self.kernel, config.sp_head_chunks
+            )
         self.key = f"{_KEY_PREFIX}_{next(_counter)}_{config.sp_backend}_{self.kernel}"
         self._wrappers: list[Callable[[AttentionFunction], AttentionFunction]] = []
         self._saved: tuple[str, bool] | None = None

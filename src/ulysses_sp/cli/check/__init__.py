@@ -24,6 +24,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "`train` and `plan`")
     parser.add_argument("model", nargs="?", help="the same, positionally (kept as an alias of --model)")
     parser.add_argument("--sp-size", type=int, required=True, help="processes sharing the sequence (P)")
+    parser.add_argument("--sp-ring-size", type=int, default=None,
+                        help="Ulysses x ring: ring degree, a divisor of --sp-size (default: 1, or the smallest "
+                        "the head count needs when --sp-size exceeds it)")
     parser.add_argument("--random-init", action="store_true",
                         help="weights from the model's own initializer (seeded); a checkpoint is the stronger check")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="default float32")
@@ -76,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
     options = CheckOptions(
         model=model, sp_size=args.sp_size, random_init=args.random_init, dtype=args.dtype,
         batch_size=args.batch_size, seq_len=args.seq_len, padding=args.padding, packed=args.packed,
-        attn_implementation=args.attn_implementation, seed=args.seed,
+        attn_implementation=args.attn_implementation, seed=args.seed, sp_ring_size=args.sp_ring_size,
     )
     try:
         report = run_check(options)

@@ -54,6 +54,7 @@ class CheckOptions:
     packed: bool = False
     attn_implementation: str | None = None
     seed: int = 0
+    sp_ring_size: int | None = None  # Ulysses x ring degree (None: automatic, 1 while sp_size <= heads)
 
 
 @dataclass(frozen=True)
@@ -194,10 +195,10 @@ def load_model(opts: CheckOptions, device: torch.device) -> PreTrainedModel:
     return model.to(device).eval()
 
 
-def validate_model(model: PreTrainedModel, sp_size: int) -> str:
+def validate_model(model: PreTrainedModel, sp_size: int, sp_ring_size: int | None = None) -> str:
     """The core kernel ``UlyssesSP`` would use (``check_model_support``); its ValueError becomes a CheckInputError."""
     try:
-        return check_model_support(model, UlyssesSPConfig(sp_size=sp_size))
+        return check_model_support(model, UlyssesSPConfig(sp_size=sp_size, sp_ring_size=sp_ring_size))
     except ValueError as err:
         raise CheckInputError(str(err)) from err
 
@@ -294,7 +295,7 @@ def _sp_worker(rank: int, world: int, opts: CheckOptions, tensors: dict[str, tor
     device = torch.device("cuda", rank) if nccl else torch.device("cpu")
     mesh = SPMesh.from_world(world)
     model = load_model(opts, device)
-    with UlyssesSP(model, mesh) as sp:
+    with UlyssesSP(model, mesh, UlyssesSPConfig(sp_size=world, sp_ring_size=opts.sp_ring_size)) as sp:
         shard = sp.shard({k: v.to(device) for k, v in tensors.items()})
         loss = sp.forward_loss(model, shard, global_num_items(shard["shift_labels"], mesh.sp_group))
         loss.backward()
@@ -352,7 +353,7 @@ def run_check(opts: CheckOptions) -> CheckReport:
     _validate_options(opts)
     device = torch.device("cuda", 0) if _backend(opts.sp_size) == "nccl" else torch.device("cpu")
     model = load_model(opts, device)
-    kernel = validate_model(model, opts.sp_size)
+    kernel = validate_model(model, opts.sp_size, opts.sp_ring_size)
     config = model.config.get_text_config()
     batch = make_batch(opts, config.vocab_size, getattr(config, "pad_token_id", None) or 0)
     ref = reference_step(model, batch)

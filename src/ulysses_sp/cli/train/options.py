@@ -162,7 +162,7 @@ class ModelDataArguments:
     task_eval_rows: int = field(default=32, metadata={"help": "copy task: held-out rows for the accuracy"})
     hidden_size: int = field(default=64, metadata={"help": "embedded model: hidden size"})
     num_layers: int = field(default=2, metadata={"help": "embedded model: decoder layers"})
-    num_heads: int = field(default=4, metadata={"help": "embedded model: attention heads (>= --sp-size)"})
+    num_heads: int = field(default=4, metadata={"help": "embedded model: attention heads (fewer than --sp-size: Ulysses x ring)"})
     overwrite_output_dir: bool = field(default=False, metadata={"help": "replace a non-empty --output-dir"})
 
     @property
