@@ -146,3 +146,27 @@ def test_bench_budget_skips_what_would_not_fit():
     assert budget.refuses(job(1024), steps=5) is None  # 10 + 5 * 1 s = 15 s < 30 s
     assert budget.refuses(job(4096), steps=5) is not None  # 10 + 5 * 1 s * 4 ** 1.5 = 50 s > 30 s
     assert Budget(0).refuses(job(1 << 20), steps=100) is None
+
+
+def test_bench_ulysses_ring_system_counts_bytes_of_its_formula(tmp_path):
+    """Catches ``--systems ulysses_ring`` not reaching UlyssesSPConfig(sp_ring_size) (a plain
+    all-to-all over P=4 ranks would send other bytes), a formula that disagrees with the counted
+    bytes / collectives, and a 2-D split whose loss differs from one process."""
+    out = tmp_path / "bench.json"
+    argv = [*TINY]
+    argv[argv.index("--sp-sizes") + 1] = "4"
+    code = main(["bench", *argv, "--systems", "single", "ulysses_ring", "--ring-size", "2", "--mode", "isolated",
+                 "--json", str(out)])
+    assert code == 0
+    records = {r["system"]: r for r in json.loads(out.read_text())}
+    two_d = records["ulysses_ring"]
+    assert two_d["sp_size"] == 4 and two_d["ring_size"] == 2
+    # N=4 K=2 over A=2: rank 0 holds q heads 0-1, kv head 0; s=8 tokens, H=8, fp32. All-to-all (P=2 terms
+    # on s=8): forward (2+1+1)*8*8 + 2*8*8 = 384 elements, backward the same. Ring over R=2 segments of
+    # A*s=16 tokens, k_r=1 kv head: a k|v block is 2*1*16*8 = 256 elements; forward 1 hop, backward 1 hop
+    # + 2 fp32 dk|dv hops.
+    expected = 2 * 384 * 4 + 256 * 4 + (256 * 4 + 2 * 256 * 4)
+    assert two_d["bytes_sent_per_rank"] == two_d["formula_bytes_sent_per_rank"] == expected
+    assert two_d["collectives_per_layer"] == 2 + 1 and two_d["collectives_per_layer_backward"] == 2 + 3
+    # fp32, same weights and batch; only summation order differs: 1e-5 relative
+    assert two_d["loss"] == pytest.approx(records["single"]["loss"], rel=1e-5)

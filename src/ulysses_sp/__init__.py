@@ -2,7 +2,8 @@
 
 Main entry points (all importable from ``ulysses_sp``):
     UlyssesSPConfig                 the one configuration object: sp_size, sp_backend ("ulysses" |
-                                    "ring"), sp_attn_implementation, tiled MLP / loss, offload
+                                    "ring"), sp_ring_size (Ulysses x ring when sp_size > heads),
+                                    sp_attn_implementation, tiled MLP / loss, offload
     UlyssesTrainer / UlyssesSFTTrainer
                                     Transformers Trainer / TRL SFTTrainer with SP (sp_config=...)
     UlyssesAccelerate               a custom Accelerate loop with SP; config_from_accelerate
@@ -35,7 +36,7 @@ from ulysses_sp.comm import (
     check_sp_size,
     collective_device, free_port, gather_signature, spawn,
 )
-from ulysses_sp.config import ATTN_IMPLEMENTATIONS, IGNORE_INDEX, SP_BACKENDS, UlyssesSPConfig
+from ulysses_sp.config import ATTN_IMPLEMENTATIONS, IGNORE_INDEX, SP_BACKENDS, UlyssesSPConfig, auto_ring_size
 from ulysses_sp.data import (
     PACKED_KEYS, ShardedBatch, UlyssesDataLoader, check_batch, dp_sampler_kwargs, shard_batch, validate_same_batch,
 )
@@ -64,7 +65,7 @@ __all__ = [
     "ActivationOffload", "AttentionComm", "CommCounter", "GlobalMask", "MemoryBreakdown", "MemoryFeatures",
     "ModelDims", "OffloadStats", "RingAttention", "SPAttention", "SPMesh", "ShardedBatch", "TiledMLP", "TiledMoE",
     "UlyssesAttention", "UlyssesDataLoader", "UlyssesSPConfig",
-    "all_reduce_sum", "apply_tiled_mlp", "attention_comm", "build_attention", "check_batch",
+    "all_reduce_sum", "apply_tiled_mlp", "attention_comm", "auto_ring_size", "build_attention", "check_batch",
     "check_same_across_ranks", "check_sp_size", "collective_device", "dp_sampler_kwargs", "estimate_peak_memory",
     "free_port", "gather_signature", "get_kernel", "global_num_items", "longest_sequence", "remove_tiled_mlp", "reported_loss",
     "shard_batch", "sp_token_loss", "spawn", "tiled_token_loss", "validate_same_batch",

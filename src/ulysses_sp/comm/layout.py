@@ -61,8 +61,9 @@ class HeadPlan:
             )
         if P > N:
             raise ValueError(
-                f"sp_size ({P}) is larger than the number of query heads ({N}): Ulysses splits "
-                f"heads over ranks, so use sp_size <= {N} (and data parallelism for the rest)."
+                f"an all-to-all over {P} ranks is larger than the number of query heads ({N}): Ulysses "
+                f"splits heads over ranks, so keep it <= {N}; for more ranks use Ulysses x ring "
+                "(UlyssesSPConfig.sp_ring_size, automatic by default) or data parallelism."
             )
 
     @property

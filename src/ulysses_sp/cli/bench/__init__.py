@@ -23,14 +23,18 @@ import time
 
 from ulysses_sp import ATTN_IMPLEMENTATIONS
 
-SYSTEM_NAMES = ["single", "ulysses", "ulysses_chunked", "ring", "deepspeed"]
+SYSTEM_NAMES = ["single", "ulysses", "ulysses_chunked", "ring", "ulysses_ring", "deepspeed"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of ``ulysses-sp bench``."""
-    parser.add_argument("--systems", nargs="+", default=[s for s in SYSTEM_NAMES if s != "ring"], choices=SYSTEM_NAMES,
+    parser.add_argument("--systems", nargs="+", default=[s for s in SYSTEM_NAMES if "ring" not in s],
+                        choices=SYSTEM_NAMES,
                         help="default: single ulysses ulysses_chunked deepspeed (ulysses_chunked: "
-                        "UlyssesSPConfig(sp_head_chunks=--head-chunks); ring on request)")
+                        "UlyssesSPConfig(sp_head_chunks=--head-chunks); ring and ulysses_ring (Ulysses x ring, "
+                        "--ring-size) on request)")
+    parser.add_argument("--ring-size", type=int, default=2,
+                        help="ring degree of ulysses_ring (a divisor of each --sp-sizes value; default 2)")
     parser.add_argument("--sp-sizes", nargs="+", type=int, default=[2], help="P values (default 2)")
     parser.add_argument("--seq-lens", nargs="+", type=int, default=[1024, 2048], help="global S values (default 1024 2048)")
     parser.add_argument("--head-chunks", type=int, default=2, help="head chunks of ulysses_chunked (default 2)")
@@ -77,7 +81,7 @@ def _tasks(args: argparse.Namespace, cuda: bool, gpus: int) -> tuple[list[tuple[
     dtype = args.dtype or ("bfloat16" if cuda else "float32")
     common = dict(batch_size=args.batch_size, warmup=args.warmup, repeats=args.repeats, dtype=dtype,
                   backend="nccl" if cuda else "gloo", spec=spec, head_chunks=args.head_chunks,
-                  attn=args.attn_implementation)
+                  ring_size=args.ring_size, attn=args.attn_implementation)
     isolated, paired = args.mode in ("isolated", "both"), args.mode in ("paired", "both")
     tasks, skipped = [], []
     for S in args.seq_lens:
@@ -87,7 +91,7 @@ def _tasks(args: argparse.Namespace, cuda: bool, gpus: int) -> tuple[list[tuple[
         for P in args.sp_sizes:
             jobs = []
             for system in (s for s in args.systems if s != "single"):
-                why = _unrunnable(system, P, S, cuda, gpus)
+                why = _unrunnable(system, P, S, cuda, gpus, args.ring_size)
                 if why:
                     skipped.append(f"{system} P={P} S={S}: {why}")
                 else:
@@ -99,7 +103,9 @@ def _tasks(args: argparse.Namespace, cuda: bool, gpus: int) -> tuple[list[tuple[
     return tasks, skipped
 
 
-def _unrunnable(system: str, P: int, S: int, cuda: bool, gpus: int) -> str | None:
+def _unrunnable(system: str, P: int, S: int, cuda: bool, gpus: int, ring_size: int = 2) -> str | None:
+    if system == "ulysses_ring" and (P % ring_size or ring_size < 2):
+        return f"--ring-size {ring_size} is not a divisor >= 2 of P={P}"
     if S % P:
         return f"S={S} is not a multiple of P={P}"
     if cuda and P > gpus:
@@ -119,8 +125,9 @@ def run(args: argparse.Namespace) -> int:
     if cuda and not torch.cuda.is_available():
         print("ulysses-sp bench: error: --device cuda but CUDA is not available", file=sys.stderr)
         return 2
-    if args.warmup < 1 or args.repeats < 1 or args.head_chunks < 1:
-        print("ulysses-sp bench: error: --warmup, --repeats and --head-chunks must be >= 1", file=sys.stderr)
+    if args.warmup < 1 or args.repeats < 1 or args.head_chunks < 1 or args.ring_size < 1:
+        print("ulysses-sp bench: error: --warmup, --repeats, --head-chunks and --ring-size must be >= 1",
+              file=sys.stderr)
         return 2
     if not cuda:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before the fork server starts: every worker inherits it

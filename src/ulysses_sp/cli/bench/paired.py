@@ -91,6 +91,7 @@ def _record(job: Job, ts: list[float], ls: list[float], world: int, single: tupl
     record = {
         "mode": "paired", "system": job.system, "sp_size": job.sp_size, "seq_len": job.seq_len,
         "batch_size": job.batch_size, "head_chunks": job.head_chunks if job.system == "ulysses_chunked" else 1,
+        "ring_size": job.ring_size if job.system == "ulysses_ring" else 1,
         "median_step_seconds": statistics.median(ts), "min_step_seconds": min(ts), "step_seconds": ts,
         "tokens_per_second": job.batch_size * job.seq_len / statistics.median(ts),
         "loss": ls[0], "final_loss": ls[-1], "dtype": job.dtype, "machine": machine(world),

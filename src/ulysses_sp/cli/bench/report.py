@@ -121,6 +121,8 @@ class LiveTable:
 
 
 def _system(r: dict) -> str:
+    if r["system"] == "ulysses_ring":
+        return f"ulysses_ring (R={r.get('ring_size', '?')})"
     return f"{r['system']} (C={r['head_chunks']})" if r["system"] == "ulysses_chunked" else r["system"]
 
 

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.distributed as dist
 
-from ulysses_sp import CommCounter, SPMesh, attention_comm, spawn
+from ulysses_sp import CommCounter, SPMesh, attention_comm, auto_ring_size, spawn
 from ulysses_sp.cli.bench.systems import (
     ModelSpec,
     Step,
@@ -50,6 +50,7 @@ class Job:
     backend: str = "gloo"
     spec: ModelSpec = field(default_factory=ModelSpec)
     head_chunks: int = 2  # ulysses_chunked only
+    ring_size: int = 2  # ulysses_ring only (must divide sp_size)
     attn: str = "sdpa"  # the model's attention kernel (every system runs it)
 
     @property
@@ -61,6 +62,10 @@ class Job:
         """``attention_comm`` of this job (``ulysses_chunked`` is ``ulysses`` with head chunks)."""
         spec, chunked = self.spec, self.system == "ulysses_chunked"
         itemsize = torch.empty(0, dtype=getattr(torch, self.dtype)).element_size()
+        ring = self.ring_size if self.system == "ulysses_ring" else auto_ring_size(self.sp_size, spec.num_attention_heads)
+        if self.system == "ulysses_ring" or (self.system == "ulysses" and ring > 1):  # ulysses: automatic when P > N
+            return attention_comm("ulysses_ring", self.sp_size, self.batch_size, self.seq_len, spec.num_attention_heads,
+                                  spec.num_key_value_heads, spec.head_dim, itemsize, rank, ring_size=ring)
         return attention_comm("ulysses" if chunked else self.system, self.sp_size, self.batch_size, self.seq_len,
                               spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim, itemsize, rank,
                               head_chunks=self.head_chunks if chunked else 1)
@@ -96,6 +101,8 @@ def setup_system(job: Job, device: torch.device, counter: CommCounter) -> tuple[
         return deepspeed_step(model, ids, mesh, counter), model
     if job.system == "ulysses_chunked":
         return ours_step(model, ids, mesh, counter, backend="ulysses", head_chunks=job.head_chunks), model
+    if job.system == "ulysses_ring":
+        return ours_step(model, ids, mesh, counter, backend="ulysses", ring_size=job.ring_size), model
     return ours_step(model, ids, mesh, counter, backend=job.system), model
 
 
@@ -163,6 +170,7 @@ def _worker(rank: int, world: int, job: Job, out_path: str) -> None:
     record = {
         "system": job.system, "sp_size": job.sp_size, "seq_len": job.seq_len, "batch_size": job.batch_size,
         "head_chunks": job.head_chunks if job.system == "ulysses_chunked" else 1,
+        "ring_size": job.ring_size if job.system == "ulysses_ring" else 1,
         "median_step_seconds": statistics.median(slowest), "min_step_seconds": min(slowest), "step_seconds": slowest,
         "tokens_per_second": job.batch_size * job.seq_len / statistics.median(slowest),
         "peak_memory_bytes": int(max(peak)), "peak_memory_bytes_per_rank": [int(p) for p in peak],

@@ -5,6 +5,8 @@
     ulysses_chunked  ours: UlyssesSP with UlyssesSPConfig(sp_head_chunks=C): C chunks of heads, each
                      chunk's all-to-alls in flight while the neighbouring chunk computes
     ring             ours: UlyssesSP with UlyssesSPConfig(sp_backend="ring") (RingAttention)
+    ulysses_ring     ours: Ulysses x ring, UlyssesSPConfig(sp_ring_size=R): all-to-all inside groups of
+                     P/R ranks, ring attention across the R segments
     deepspeed  DeepSpeed ALST: UlyssesSPAttentionHF.register_with_transformers, its data loader
                adapter and the HF Trainer's SP loss aggregation (transformers'
                ``deepspeed_sp_compute_loss``), as HF / Accelerate wire it
@@ -25,7 +27,7 @@ import torch.distributed as dist
 
 from ulysses_sp import CommCounter
 
-SYSTEMS = ("single", "ulysses", "ulysses_chunked", "ring", "deepspeed")
+SYSTEMS = ("single", "ulysses", "ulysses_chunked", "ring", "ulysses_ring", "deepspeed")
 
 
 @dataclass(frozen=True)
@@ -118,11 +120,13 @@ def single_step(model, ids_BS: torch.Tensor, own_kernel_key: bool = False) -> St
     return Step(run, model.config.num_hidden_layers)
 
 
-def ours_step(model, ids_BS: torch.Tensor, mesh, counter: CommCounter, backend: str, head_chunks: int = 1) -> Step:
-    """``UlyssesSP`` with ``UlyssesSPConfig(sp_backend=backend, sp_head_chunks=head_chunks)``."""
+def ours_step(model, ids_BS: torch.Tensor, mesh, counter: CommCounter, backend: str, head_chunks: int = 1,
+              ring_size: int | None = None) -> Step:
+    """``UlyssesSP`` with ``UlyssesSPConfig(sp_backend=backend, sp_head_chunks=head_chunks, sp_ring_size=ring_size)``."""
     from ulysses_sp import UlyssesSP, UlyssesSPConfig, global_num_items, reported_loss
 
-    config = UlyssesSPConfig(sp_size=mesh.sp_size, sp_backend=backend, sp_head_chunks=head_chunks)
+    config = UlyssesSPConfig(sp_size=mesh.sp_size, sp_backend=backend, sp_head_chunks=head_chunks,
+                             sp_ring_size=ring_size)
     sp = UlyssesSP(model, mesh, config)
     sp.wrap_attention(counter.scoped).register()
     shard = sp.shard({"input_ids": ids_BS})
