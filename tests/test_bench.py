@@ -24,8 +24,11 @@ FIELDS = {"system", "sp_size", "seq_len", "median_step_seconds", "peak_memory_by
 # plus my heads' output for rank 1's tokens = 2 * 16 * 8 = 256; backward sends the same amounts.
 ULYSSES_BYTES_PER_LAYER = 2 * (512 + 256) * 4
 # Ring: a k|v block is 2 tensors * K=2 heads * 16 tokens * 8 dims fp32 = 2048 B; forward 1 hop (P-1),
-# backward 1 k|v hop + 2 (P) fp32 dk|dv hops.
-RING_BYTES_PER_LAYER = 2048 + 2048 + 2 * 2048
+# backward 1 k|v hop + 2 (P) fp32 dk|dv hops. Causal load balance (zigzag, 4 chunks of 8 tokens): rank 0
+# keeps chunk 0, sends chunk 1 of q|k|v to rank 1 (8 tokens * (4 + 2*2) heads * 8 dims = 512 el = 2048 B)
+# and receives chunk 3; after the ring it sends chunk 3's output back (8*4*8 = 256 el = 1024 B). The
+# backward moves the same amounts the other way: + 2 * (2048 + 1024), and 2 + 2 more P2P batches.
+RING_BYTES_PER_LAYER = 2048 + 2048 + 2 * 2048 + 2 * (2048 + 1024)
 
 
 def _run(tmp_path, systems, mode):
@@ -55,7 +58,7 @@ def test_bench_smoke_records(tmp_path):
     assert ours["bytes_sent_per_rank"] == ULYSSES_BYTES_PER_LAYER == ours["formula_bytes_sent_per_rank"]
     assert ours["collectives_per_layer"] == 2 and ours["collectives_per_layer_backward"] == 2
     assert ring["bytes_sent_per_rank"] == RING_BYTES_PER_LAYER
-    assert ring["collectives_per_layer"] == 1 and ring["collectives_per_layer_backward"] == 3
+    assert ring["collectives_per_layer"] == 1 + 2 and ring["collectives_per_layer_backward"] == 3 + 2
     assert (tmp_path / "plots" / "step_time.png").stat().st_size > 0
     assert "| 32 | 2 | ulysses |" in (tmp_path / "b.md").read_text()
 
@@ -164,9 +167,10 @@ def test_bench_ulysses_ring_system_counts_bytes_of_its_formula(tmp_path):
     # N=4 K=2 over A=2: rank 0 holds q heads 0-1, kv head 0; s=8 tokens, H=8, fp32. All-to-all (P=2 terms
     # on s=8): forward (2+1+1)*8*8 + 2*8*8 = 384 elements, backward the same. Ring over R=2 segments of
     # A*s=16 tokens, k_r=1 kv head: a k|v block is 2*1*16*8 = 256 elements; forward 1 hop, backward 1 hop
-    # + 2 fp32 dk|dv hops.
-    expected = 2 * 384 * 4 + 256 * 4 + (256 * 4 + 2 * 256 * 4)
+    # + 2 fp32 dk|dv hops. Zigzag re-layout of the ring (causal): one q|k|v half (8 tokens * (2 + 2*1) heads
+    # * 8 = 256 el) and one output half (8*2*8 = 128 el) move each way: + 2 * (256 + 128) * 4 B, 2 + 2 P2P batches.
+    expected = 2 * 384 * 4 + 256 * 4 + (256 * 4 + 2 * 256 * 4) + 2 * (256 + 128) * 4
     assert two_d["bytes_sent_per_rank"] == two_d["formula_bytes_sent_per_rank"] == expected
-    assert two_d["collectives_per_layer"] == 2 + 1 and two_d["collectives_per_layer_backward"] == 2 + 3
+    assert two_d["collectives_per_layer"] == 2 + 1 + 2 and two_d["collectives_per_layer_backward"] == 2 + 3 + 2
     # fp32, same weights and batch; only summation order differs: 1e-5 relative
     assert two_d["loss"] == pytest.approx(records["single"]["loss"], rel=1e-5)

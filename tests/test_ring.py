@@ -149,7 +149,9 @@ def _worker_2d(rank, world, cases):
                 a, b = a[VALID[:, sl]], b[VALID[:, sl]]
             torch.testing.assert_close(a.double(), b, **FP32_TOL, msg=lambda m, name=name: f"{where} {name}: {m}")
         if chunks == 1:  # bytes and collectives equal comm.cost's formula for this rank
-            model = attention_comm("ulysses_ring", world, B, S, N, K, H, 4, rank, ring_size=R)
+            balanced = attention.ring.zigzag_applies(S // R, mask, window)  # causal, no window, even segment
+            assert balanced or window is not None or (S // R) % 2, where  # the causal cases do run balanced
+            model = attention_comm("ulysses_ring", world, B, S, N, K, H, 4, rank, ring_size=R, ring_balanced=balanced)
             for phase, nbytes, ops in (("forward", model.bytes_forward, model.collectives_forward),
                                        ("backward", model.bytes_backward, model.collectives_backward)):
                 got = counter.select(phase=phase)
@@ -166,3 +168,48 @@ def test_ulysses_x_ring_attention_matches_single_process():
     heads over A=2) or K < A breaking the ring's kv grouping, and bytes / collectives off the
     ``attention_comm("ulysses_ring")`` formula. P=4 as 2x2 and 1x4, every mask kind, head chunks."""
     spawn(_worker_2d, 4, TWO_D_CASES)
+
+
+def _worker_balance(rank, world):
+    import torch.distributed as dist
+
+    import ulysses_sp.attention.ring as ring_module
+
+    mesh = SPMesh.from_world(world)
+    s = S // world
+    sl = slice(rank * s, (rank + 1) * s)
+    case = make_case(8, 2, 7, False)
+    ref = reference(case, "causal")
+    original, work = ring_module._block_forward, []
+
+    def counted(q, k, *args):
+        work.append(q.shape[2] * k.shape[2])  # query x key pairs of this block
+        return original(q, k, *args)
+
+    ring_module._block_forward = counted
+    try:
+        per_rank = {}
+        for balance in (True, False):
+            work.clear()
+            q, k, v = (case[n][:, :, sl].clone().requires_grad_() for n in ("q", "k", "v"))
+            o = RingAttention(mesh.sp_group, balance=balance)(q, k, v, GlobalMask(S))
+            (o * case["g"][:, sl]).sum().backward()
+            for name, a, b, dim in zip(("o", "dq", "dk", "dv"), (o, q.grad, k.grad, v.grad), ref, (1, 2, 2, 2)):
+                torch.testing.assert_close(a.double(), b.narrow(dim, sl.start, s), **FP32_TOL,
+                                           msg=lambda m, name=name: f"balance={balance} {name}: {m}")
+            totals = [None] * world
+            dist.all_gather_object(totals, sum(work), group=mesh.sp_group)
+            per_rank[balance] = totals
+    finally:
+        ring_module._block_forward = original
+    # P=3, S=12: 6 chunks of 2 tokens; zigzag rank r holds chunks r and 5-r and computes 7 chunk blocks
+    # (4 pairs each): 28 on every rank. Contiguous: rank r computes r+1 blocks of 4x4: 16, 32, 48.
+    assert per_rank[True] == [28, 28, 28], per_rank
+    assert per_rank[False] == [16, 32, 48], per_rank
+
+
+def test_ring_is_causally_load_balanced():
+    """Bug caught: contiguous causal ring blocks leave rank P-1 with P blocks and rank 0 with one
+    (the slowest rank sets the step time). With the zigzag re-layout every rank computes the same
+    number of query x key pairs, and the result (output, dq, dk, dv) is exact either way."""
+    spawn(_worker_balance, 3)

@@ -18,8 +18,21 @@ each block's dk/dv accumulator (fp32) one hop behind it; the P-th hop returns it
     t = 0 .. P-1:   dq   += dQ(q_r, k_t, v_t; o, lse, do)      with the GLOBAL o and lse
                     dkv_t += dK, dV of the same block           then send dkv_t to r+1
 
-Blocks a causal mask hides completely (source after r) are skipped. Contiguous shards leave
-the causal work unbalanced (rank P-1 computes P blocks, rank 0 one); see docs/bench.md.
+Blocks a causal mask hides completely are skipped. Causal load balance: contiguous shards would
+leave the causal work unbalanced (rank P-1 computing P blocks, rank 0 one), so for a causal mask
+without a sliding window (and an even shard length) the ring first re-lays its inputs out in
+"zigzag" order: the sequence is cut into 2P chunks of c = s/2 tokens and rank r holds chunks r and
+2P-1-r, one early and one late, so every rank computes about P+1 chunk blocks of c x c instead of up
+to 4P. One P2P exchange moves q|k|v chunks to their zigzag owner before the ring and one moves the
+output chunks back after it (the backward runs the same exchanges reversed); the model and every
+other layer keep the contiguous shards::
+
+    contiguous (2 chunks a rank)   r0: [0 1]  r1: [2 3]  r2: [4 5]  r3: [6 7]
+    zigzag (inside the ring only)  r0: [0 7]  r1: [1 6]  r2: [2 5]  r3: [3 4]
+
+The ring then runs over chunk pairs: each step computes the sub-blocks (query chunk, key chunk)
+that the mask does not hide and merges them per query chunk. Windowed masks keep contiguous
+shards (their work is already even).
 Kernels per block: PyTorch's fused CPU flash kernel (plain causal/full blocks, CPU) or an
 explicit fp32 softmax (any device; packed documents, padding, sliding window).
 """
@@ -34,6 +47,7 @@ from torch.distributed import ProcessGroup
 
 from ulysses_sp.attention.contract import check_inputs_across_ranks
 from ulysses_sp.attention.masks import GlobalMask
+from ulysses_sp.comm.layout import zigzag_moves
 
 _NEG_INF = float("-inf")
 
@@ -46,6 +60,8 @@ def _block_mask(
     Returns ``(allowed, causal_diag)``: ``allowed`` is ``(B or 1, 1, s, s)`` bool
     (``GlobalMask.block``) or ``None`` when the block is
     either fully visible (``causal_diag=False``) or the plain causal diagonal (``True``).
+    Blocks are aligned (``row0``, ``col0`` multiples of ``s``), so a causal block is either
+    fully below the diagonal, on it, or fully above it (hidden; the caller skips those).
     """
     if window is None and mask.document_ids is None and mask.valid is None:
         if not mask.causal or col0 < row0:
@@ -137,57 +153,126 @@ def _unpack(buf: torch.Tensor, like: tuple[torch.Tensor, ...]) -> list[torch.Ten
     return out
 
 
+def _chunks(P: int, r: int, s: int, zigzag: bool) -> list[tuple[int, int, int]]:
+    """``(global start, local start, length)`` of the token chunks rank ``r`` holds in the ring."""
+    if not zigzag:
+        return [(r * s, 0, s)]
+    c = s // 2
+    return [(r * c, 0, c), ((2 * P - 1 - r) * c, c, c)]
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, mask: GlobalMask, ring: _Ring, scale: float, window):
+    def forward(ctx, q, k, v, mask: GlobalMask, ring: _Ring, scale: float, window, zigzag: bool):
         P, r, s = ring.size, ring.rank, q.shape[2]
+        rows = [(row0, a, n, q[:, :, a:a + n].contiguous()) for row0, a, n in _chunks(P, r, s, zigzag)]
+        B, N, Hv = q.shape[0], q.shape[1], v.shape[3]
+        o = torch.zeros(B, N, s, Hv, dtype=torch.float32, device=q.device)
+        lse = torch.full((B, N, s), _NEG_INF, dtype=torch.float32, device=q.device)
         buf = _pack(k, v)
-        o = lse = None
         for t in range(P):
             src = (r - t) % P
             pending = ring.start(buf) if t < P - 1 else None
-            if not (mask.causal and src > r):
-                kt, vt = _unpack(buf, (k, v))
-                allowed, diag = _block_mask(mask, r * s, src * s, s, window, q.device)
-                if allowed is None or bool(allowed.any()):
-                    o_t, lse_t = _block_forward(q, kt, vt, allowed, diag, scale)
-                    o, lse = (o_t, lse_t) if o is None else _merge(o, lse, o_t, lse_t)
+            kt, vt = _unpack(buf, (k, v))
+            for col0, a_k, m in _chunks(P, src, s, zigzag):
+                if zigzag:
+                    kc, vc = kt[:, :, a_k:a_k + m].contiguous(), vt[:, :, a_k:a_k + m].contiguous()
+                else:
+                    kc, vc = kt, vt
+                for row0, a, n, qc in rows:
+                    if mask.causal and col0 > row0:  # aligned chunks: entirely above the diagonal
+                        continue
+                    allowed, diag = _block_mask(mask, row0, col0, n, window, q.device)
+                    if allowed is not None and not bool(allowed.any()):
+                        continue
+                    o_t, lse_t = _block_forward(qc, kc, vc, allowed, diag, scale)
+                    o[:, :, a:a + n], lse[:, :, a:a + n] = _merge(o[:, :, a:a + n], lse[:, :, a:a + n], o_t, lse_t)
             if pending is not None:
                 _wait(pending[1])
                 buf = pending[0]
         out = o.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring, ctx.mask, ctx.scale, ctx.window = ring, mask, scale, window
+        ctx.ring, ctx.mask, ctx.scale, ctx.window, ctx.zigzag = ring, mask, scale, window, zigzag
         return out
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, out, lse = ctx.saved_tensors
-        ring, mask, scale, window = ctx.ring, ctx.mask, ctx.scale, ctx.window
+        ring, mask, scale, window, zigzag = ctx.ring, ctx.mask, ctx.scale, ctx.window, ctx.zigzag
         P, r, s = ring.size, ring.rank, q.shape[2]
         do = do.contiguous()
+        rows = [(row0, a, n, *(x[:, :, a:a + n].contiguous() for x in (q, do, out)), lse[:, :, a:a + n].contiguous())
+                for row0, a, n in _chunks(P, r, s, zigzag)]
         buf = _pack(k, v)
         dkv = torch.zeros(k.numel() + v.numel(), dtype=torch.float32, device=q.device)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         for t in range(P):
             src = (r - t) % P
             pending = ring.start(buf) if t < P - 1 else None
-            if not (mask.causal and src > r):
-                kt, vt = _unpack(buf, (k, v))
-                allowed, diag = _block_mask(mask, r * s, src * s, s, window, q.device)
-                if allowed is None or bool(allowed.any()):
-                    g = _block_backward(do, q, kt, vt, out, lse, allowed, diag, scale)
-                    dq += g[0]
-                    dk_t, dv_t = _unpack(dkv, (k, v))
-                    dk_t += g[1]
-                    dv_t += g[2]
+            kt, vt = _unpack(buf, (k, v))
+            dk_t, dv_t = _unpack(dkv, (k, v))
+            for col0, a_k, m in _chunks(P, src, s, zigzag):
+                if zigzag:
+                    kc, vc = kt[:, :, a_k:a_k + m].contiguous(), vt[:, :, a_k:a_k + m].contiguous()
+                else:
+                    kc, vc = kt, vt
+                for row0, a, n, qc, doc, oc, lsec in rows:
+                    if mask.causal and col0 > row0:
+                        continue
+                    allowed, diag = _block_mask(mask, row0, col0, n, window, q.device)
+                    if allowed is not None and not bool(allowed.any()):
+                        continue
+                    g = _block_backward(doc, qc, kc, vc, oc, lsec, allowed, diag, scale)
+                    dq[:, :, a:a + n] += g[0]
+                    dk_t[:, :, a_k:a_k + m] += g[1]
+                    dv_t[:, :, a_k:a_k + m] += g[2]
             if P > 1:  # the accumulator of the block I hold goes one hop on; the P-th hop reaches its owner
                 dkv_next, works = ring.start(dkv)
                 _wait(works + (pending[1] if pending else []))
                 dkv = dkv_next
                 buf = pending[0] if pending else buf
         dk, dv = _unpack(dkv, (k, v))
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+
+
+def _relayout(ring: _Ring, tensors: tuple[torch.Tensor, ...], dim: int, to_zigzag: bool) -> list[torch.Tensor]:
+    """Move the halves (along ``dim``) of ``tensors`` between contiguous and zigzag layouts: one P2P batch."""
+    P, r = ring.size, ring.rank
+    sends, recvs = zigzag_moves(P, r, to_zigzag)
+    halves = [[t.narrow(dim, h * (t.shape[dim] // 2), t.shape[dim] // 2) for t in tensors] for h in (0, 1)]
+    packed = [_pack(*halves[h]) for h in (0, 1)]
+    received: list[torch.Tensor | None] = [None, None]
+    ops = []
+    for h, dest, their_half in sends:
+        if dest == r:
+            received[their_half] = packed[h]
+        else:  # the tag is the receiver's half, so two chunks between one pair of ranks cannot swap
+            ops.append(dist.P2POp(dist.isend, packed[h], dist.get_global_rank(ring.group, dest), ring.group, their_half))
+    for h, src in recvs:
+        if src != r:
+            received[h] = torch.empty_like(packed[h])
+            ops.append(dist.P2POp(dist.irecv, received[h], dist.get_global_rank(ring.group, src), ring.group, h))
+    if ops:
+        _wait(dist.batch_isend_irecv(ops))
+    out = []
+    pieces = [_unpack(received[h], tuple(halves[h])) for h in (0, 1)]
+    for i in range(len(tensors)):
+        out.append(torch.cat([pieces[0][i], pieces[1][i]], dim=dim))
+    return out
+
+
+class _Relayout(torch.autograd.Function):
+    """Contiguous <-> zigzag layout of several tensors along ``dim``; backward moves the grads back."""
+
+    @staticmethod
+    def forward(ctx, ring: _Ring, dim: int, to_zigzag: bool, *tensors: torch.Tensor):
+        ctx.ring, ctx.dim, ctx.to_zigzag = ring, dim, to_zigzag
+        return tuple(_relayout(ring, tensors, dim, to_zigzag))
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        grads = tuple(g.contiguous() for g in grads)
+        return (None, None, None, *_relayout(ctx.ring, grads, ctx.dim, not ctx.to_zigzag))
 
 
 def _merge(o, lse, o_t, lse_t):
@@ -202,14 +287,19 @@ class RingAttention:
 
     Args:
         sp_group: the sequence-parallel process group; ``None`` means one process (one block).
+        balance: causal load balance (zigzag chunks inside the ring, see the module docstring)
+            when the mask is causal without a window and the shard length is even; False keeps
+            contiguous blocks (rank P-1 then computes P blocks, rank 0 one).
 
     Masks: causal, packed documents, padding and sliding window from the ``GlobalMask``; no
     softcapping and no attention dropout. Heads are never split, so any ``N``, ``K`` and ``P`` work.
-    Per call: ``P-1`` k/v exchanges forward; ``P-1`` k/v plus ``P`` dk/dv (fp32) exchanges backward.
+    Per call: ``P-1`` k/v exchanges forward; ``P-1`` k/v plus ``P`` dk/dv (fp32) exchanges backward;
+    balanced (zigzag) calls add one q|k|v and one output chunk exchange each way (``comm.cost``).
     The first call checks with one small all-gather that all ranks pass the same shapes and dtype.
     """
 
-    def __init__(self, sp_group: ProcessGroup | None) -> None:
+    def __init__(self, sp_group: ProcessGroup | None, balance: bool = True) -> None:
+        self.balance = balance
         self.ring = _Ring(sp_group)
         self.sp_size = self.ring.size
         self.sp_rank = self.ring.rank
@@ -247,9 +337,18 @@ class RingAttention:
                 "must hold S/P tokens (shard batches with UlyssesSP.shard / ulysses_sp.shard_batch, which pads S)."
             )
         scale = scaling if scaling is not None else 1.0 / math.sqrt(q_BNsH.shape[-1])
-        o = _RingAttention.apply(q_BNsH.contiguous(), k_BKsH.contiguous(), v_BKsH.contiguous(), mask, self.ring, scale,
-                                 sliding_window)
+        q, k, v = q_BNsH.contiguous(), k_BKsH.contiguous(), v_BKsH.contiguous()
+        zigzag = self.zigzag_applies(s, mask, sliding_window)
+        if zigzag:
+            q, k, v = _Relayout.apply(self.ring, 2, True, q, k, v)
+        o = _RingAttention.apply(q, k, v, mask, self.ring, scale, sliding_window, zigzag)
+        if zigzag:
+            (o,) = _Relayout.apply(self.ring, 2, False, o)
         return o.transpose(1, 2)
+
+    def zigzag_applies(self, s: int, mask: GlobalMask, sliding_window: int | None) -> bool:
+        """Whether a call with shard length ``s`` runs causally load-balanced (zigzag chunks)."""
+        return self.balance and self.sp_size > 1 and s % 2 == 0 and mask.causal and sliding_window is None
 
     def _validate(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         N, K = q.shape[1], k.shape[1]

@@ -18,13 +18,16 @@ Shape legend: B batch, S global sequence, s = S/P, N query heads, K kv heads, H 
                      5 collectives forward (4 all-to-all + 1 all-gather), 4 backward.
     ring             k|v blocks pass P-1 hops: (P-1)*B*s*K*2H*b forward; backward the k|v ring
                      again plus P hops of fp32 dk|dv: (P-1)*B*s*K*2H*b + P*B*s*K*2H*4.
-                     P-1 P2P exchanges forward, 2P-1 backward.
+                     P-1 P2P exchanges forward, 2P-1 backward. Causal without a window and s
+                     even (the bench's case): + the zigzag re-layout for load balance, the
+                     q|k|v and output halves that change owner (``_zigzag_terms``), +2 and +2.
 
     ulysses_ring     Ulysses x ring, P = A*R: the ulysses terms at degree A (same s = S/P tokens a
                      rank), then the ring over R segments of A*s tokens for the k_r kv heads this
                      rank holds after the exchange (k_r = n_r when its grouping is irregular):
                      forward + (R-1)*B*A*s*k_r*2H*b; backward + (R-1)*B*A*s*k_r*2H*b +
-                     R*B*A*s*k_r*2H*4. Collectives: 2 + (R-1) forward, 2 + (2R-1) backward.
+                     R*B*A*s*k_r*2H*4. Collectives: 2 + (R-1) forward, 2 + (2R-1) backward; with
+                     A*s even the ring's zigzag re-layout adds its halves and 2 + 2 (see ring).
 
 Ulysses / ring crossover (forward bytes, K >= P): ring/ulysses = P*K / (N + K): ring sends less
 for small P with grouped kv heads and more once P > (N + K)/K; ring's hops are sequential while
@@ -35,7 +38,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ulysses_sp.comm.layout import HeadPlan
+from ulysses_sp.comm.layout import HeadPlan, zigzag_moves
+
+
+def _zigzag_terms(P: int, r: int, B: int, s: int, n: int, k: int, H: int, itemsize: int,
+                  balanced: bool = True) -> tuple[int, int]:
+    """Bytes rank ``r`` sends to re-lay a ring's inputs/outputs in zigzag order and back (fwd, bwd).
+
+    Causal masks without a window, even ``s`` (``RingAttention.zigzag_applies``): forward sends the
+    q|k|v halves whose zigzag owner is another rank, then the output halves back; backward the
+    output-grad halves, then the q|k|v grad halves. One P2P batch each, 2 + 2 collectives.
+    """
+    if P == 1 or s % 2 or not balanced:
+        return 0, 0
+    moved_to = sum(dest != r for _, dest, _ in zigzag_moves(P, r, True)[0])
+    moved_back = sum(dest != r for _, dest, _ in zigzag_moves(P, r, False)[0])
+    qkv_half, o_half = B * (s // 2) * (n * H + 2 * k * H) * itemsize, B * (s // 2) * n * H * itemsize
+    return moved_to * qkv_half + moved_back * o_half, moved_to * o_half + moved_back * qkv_half
 
 
 @dataclass(frozen=True)
@@ -51,13 +70,14 @@ class AttentionComm:
 
 def attention_comm(
     system: str, P: int, B: int, S: int, N: int, K: int, H: int, itemsize: int, rank: int = 0, head_chunks: int = 1,
-    ring_size: int = 1,
+    ring_size: int = 1, ring_balanced: bool = True,
 ) -> AttentionComm:
     """The communication model of ``system`` for one attention layer (see the module docstring).
 
     ``head_chunks``: ``sp_head_chunks`` of the ``ulysses`` system (same bytes, 2C + 2C collectives).
     ``ring_size``: ``R`` of the ``ulysses_ring`` system (``rank`` is the SP rank; its all-to-all
-    rank is ``rank % (P // R)``).
+    rank is ``rank % (P // R)``). ``ring_balanced``: the ring's zigzag re-layout runs (a causal
+    mask without a window, ``RingAttention.zigzag_applies``); False for windowed / non-causal calls.
     """
     s = S // P
     if system == "ulysses_ring":
@@ -70,9 +90,12 @@ def attention_comm(
         if HeadPlan(N, K, A).local_group_size(rank % A) is None:
             k_r = n_r  # irregular grouping: k/v expanded to one head per query head before the ring
         kv = B * A * s * k_r * 2 * H
-        return AttentionComm(inner.bytes_forward + (R - 1) * kv * itemsize,
-                             inner.bytes_backward + (R - 1) * kv * itemsize + R * kv * 4,
-                             inner.collectives_forward + R - 1, inner.collectives_backward + 2 * R - 1,
+        ring_rank = rank // A
+        zig_f, zig_b = _zigzag_terms(R, ring_rank, B, A * s, n_r, k_r, H, itemsize, ring_balanced)
+        extra = 2 if R > 1 and (A * s) % 2 == 0 and ring_balanced else 0
+        return AttentionComm(inner.bytes_forward + (R - 1) * kv * itemsize + zig_f,
+                             inner.bytes_backward + (R - 1) * kv * itemsize + R * kv * 4 + zig_b,
+                             inner.collectives_forward + R - 1 + extra, inner.collectives_backward + 2 * R - 1 + extra,
                              f"ulysses at A={A} + ring over R={R}: fwd (R-1)*B*A*s*2k_rH*b; "
                              "bwd (R-1)*B*A*s*2k_rH*b + R*B*A*s*2k_rH*4")
     if P == 1 or system == "single":
@@ -98,6 +121,9 @@ def attention_comm(
         return AttentionComm(a2a + pos, a2a, 5, 4, "B*s*(2NH + 2max(K,P)H)*(P-1)/P*b + position_ids B*s*8*(P-1)")
     if system == "ring":
         kv = B * s * K * 2 * H
-        return AttentionComm((P - 1) * kv * itemsize, (P - 1) * kv * itemsize + P * kv * 4, P - 1, 2 * P - 1,
-                             "fwd (P-1)*B*s*2KH*b; bwd (P-1)*B*s*2KH*b + P*B*s*2KH*4")
+        zig_f, zig_b = _zigzag_terms(P, rank, B, s, N, K, H, itemsize, ring_balanced)
+        extra = 2 if s % 2 == 0 and ring_balanced else 0
+        return AttentionComm((P - 1) * kv * itemsize + zig_f, (P - 1) * kv * itemsize + P * kv * 4 + zig_b,
+                             P - 1 + extra, 2 * P - 1 + extra,
+                             "fwd (P-1)*B*s*2KH*b; bwd (P-1)*B*s*2KH*b + P*B*s*2KH*4; + zigzag re-layout (s even)")
     raise ValueError(f"unknown system {system!r}")
