@@ -19,7 +19,7 @@ import ulysses_sp
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "src" / "ulysses_sp"
-LAYERS = {"comm": 0, "config": 1, "attention": 2, "data": 2, "loss": 2, "memory": 2, "integrations": 3, "cli": 4}
+LAYERS = {"comm": 0, "config": 1, "attention": 2, "data": 2, "loss": 2, "memory": 2, "mixers": 2, "integrations": 3, "cli": 4}
 FRAMEWORKS = ("transformers", "accelerate", "trl", "peft", "datasets")
 
 

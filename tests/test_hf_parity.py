@@ -198,11 +198,11 @@ def test_unsupported_models_are_refused_at_registration():
 
     with pytest.raises(ValueError, match="softcapping.*attn_implementation='eager'"):
         UlyssesSP(tiny_model("gemma2"), FakeMesh(), UlyssesSPConfig(sp_size=2, sp_attn_implementation="sdpa"))
-    cfg = tf.Qwen3NextConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-                             num_key_value_heads=2, head_dim=8, linear_num_key_heads=2, linear_num_value_heads=2,
-                             linear_key_head_dim=8, linear_value_head_dim=8, num_experts=2, num_experts_per_tok=1,
-                             moe_intermediate_size=16, shared_expert_intermediate_size=16,
-                             layer_types=["linear_attention", "full_attention"])
+    # Jamba's Mamba1 mixer has no sequence-parallel forward (Qwen3-Next / Bamba / ... do: test_linear_mixers.py)
+    cfg = tf.JambaConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, num_experts=2, num_experts_per_tok=1, attn_layer_period=2,
+                         attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1, mamba_d_state=4,
+                         mamba_d_conv=4, mamba_expand=2)
     with pytest.raises(ValueError, match="linear / recurrent / hybrid"):
         UlyssesSP(tf.AutoModelForCausalLM.from_config(cfg), FakeMesh())
     FakeMesh.sp_size = 16

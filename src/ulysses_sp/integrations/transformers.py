@@ -40,6 +40,7 @@ from ulysses_sp.integrations.hf_internals import (
 )
 from ulysses_sp.loss import sp_token_loss, tiled_token_loss
 from ulysses_sp.memory import ActivationOffload, apply_tiled_mlp, remove_tiled_mlp
+from ulysses_sp.mixers import install_sp_mixers, unsupported_mixer_reasons
 
 AttentionFunction = Callable[..., tuple[torch.Tensor, Any]]
 """transformers' attention-function contract: ``fn(module, q, k, v, attention_mask, **kw) -> (o, weights)``."""
@@ -100,11 +101,7 @@ def unsupported_reasons(
     elif N % K:
         reasons.append(f"num_attention_heads {N} is not a multiple of num_key_value_heads {K}")
     layer_types = set(getattr(config, "layer_types", None) or [])
-    if layer_types - _SUPPORTED_LAYER_TYPES:
-        reasons.append(
-            f"layer types {sorted(layer_types - _SUPPORTED_LAYER_TYPES)} (linear / recurrent / hybrid layers) mix "
-            "tokens outside attention and would see only their shard"
-        )
+    reasons.extend(unsupported_mixer_reasons(model, sp_size, layer_types - _SUPPORTED_LAYER_TYPES))
     if "chunked_attention" in layer_types:
         reasons.append("chunked attention (Llama 4 style) needs a chunk mask the Ulysses kernels do not build")
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
@@ -247,6 +244,7 @@ class UlyssesSP:
         config.use_cache = False
         if self.config.tiled_mlp_tokens is not None:
             apply_tiled_mlp(self.base, self.config.tiled_mlp_tokens)
+        self._mixers = install_sp_mixers(self.base, self.mesh)
         return self
 
     def unregister(self) -> None:
@@ -256,6 +254,9 @@ class UlyssesSP:
         implementation, use_cache = self._saved
         if self.config.tiled_mlp_tokens is not None:
             remove_tiled_mlp(self.base)
+        if getattr(self, "_mixers", None) is not None:
+            self._mixers.remove()
+            self._mixers = None
         if self.offload is not None:
             self.offload.unregister()
         self.base.set_attn_implementation(implementation)
