@@ -20,6 +20,19 @@ by ``ignore_index``, so its positions only need to be finite and not to start a 
 
 The mask is built from GLOBAL positions and handed to the attention layer as ``ulysses_mask``; the
 model never builds a mask of its own (no ``attention_mask`` is passed on).
+
+Multimodal rotary positions (MRoPE: Qwen2-VL, Qwen2.5-VL, Qwen3-VL text towers) come as
+``position_ids`` of shape ``(R, B, S)``, R = 3 (temporal, height, width) or 4 (a row of TEXT
+positions first, then the three MRoPE rows, as transformers' VL text models accept). They are
+padded and sliced along their LAST dim, all rows alike; documents come from the text row::
+
+    R = 4   documents from row 0, by the 1-D rule (a position that is not the previous + 1)
+    R = 3   a document starts where all three rows restart at 0 (vision tokens repeat and jump
+            inside a row, so the 1-D rule would split images); give R = 4 to be explicit
+
+Batches with images or videos (``pixel_values``...) are refused: the model would merge ALL image
+features into the image tokens of its local shard. Their rope index needs the full sequence too:
+compute ``position_ids`` with the model's ``get_rope_index`` on the FULL batch before sharding.
 """
 
 from __future__ import annotations
@@ -40,6 +53,11 @@ if TYPE_CHECKING:
     from ulysses_sp.comm.mesh import SPMesh
 
 _SEQ_KEYS = ("attention_mask", "labels", "position_ids")
+_MEDIA_KEYS = ("pixel_values", "pixel_values_videos", "mm_encoder_outputs", "inputs_embeds")
+"""Batch keys whose values the model merges into the embeddings of the WHOLE sequence (refused)."""
+_GRID_KEYS = ("image_grid_thw", "video_grid_thw")
+"""With them and no ``position_ids``, a VL model would compute its rope index on the local shard."""
+_MROPE_ROWS = (3, 4)
 PACKED_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens", "seq_idx", "max_length_q", "max_length_k")
 """Batch keys of packed-attention collators; their presence means the rows are packed documents."""
 
@@ -49,7 +67,8 @@ class ShardedBatch(TypedDict):
     Trainer / Accelerate device moves keep it intact.
 
     input_ids:     ``(B, s)`` this rank's tokens ``[r*s, (r+1)*s)`` of the padded sequence.
-    position_ids:  ``(B, s)`` their GLOBAL positions (RoPE is applied locally with them).
+    position_ids:  ``(B, s)`` their GLOBAL positions (RoPE is applied locally with them);
+                   ``(R, B, s)`` for MRoPE positions given as ``(R, B, S)``, R = 3 or 4.
     shift_labels:  ``(B, s)`` the target of each local token (the next global token), already
                    shifted, ``ignore_index`` for padding and the last token of each row.
     ulysses_mask:  the :class:`GlobalMask` of the whole padded ``(B, S)`` batch, equal on all
@@ -76,7 +95,8 @@ def shard_batch(
         batch: ``input_ids`` ``(B, S)`` and optionally ``attention_mask`` ``(B, S)`` of 0/1,
             ``labels`` ``(B, S)`` (default: ``input_ids`` with padding set to ``ignore_index``) and
             ``position_ids`` ``(B, S)`` (packed batches: restarting at 0 for each document;
-            default: ``arange(S)`` per row, as transformers does). Other keys
+            default: ``arange(S)`` per row, as transformers does) or, for MRoPE models, ``(3, B, S)``
+            / ``(4, B, S)`` computed on the full batch (module docstring). Other keys
             (e.g. flash-attention ``cu_seq_lens_*``) are dropped: the global mask replaces them.
         sp_rank: this rank's index in its SP group, ``0 <= sp_rank < sp_size``.
         sp_size: ranks sharing the sequence (P).
@@ -106,20 +126,33 @@ def shard_batch(
         input_ids = F.pad(input_ids, (0, num_pad), value=pad_token_id)
         shift_labels = F.pad(shift_labels, (0, num_pad), value=ignore_index)
         steps = torch.arange(1, num_pad + 1, device=position_ids.device, dtype=position_ids.dtype)
-        position_ids = torch.cat([position_ids, position_ids[:, -1:] + steps], dim=1)
+        position_ids = torch.cat([position_ids, position_ids[..., -1:] + steps], dim=-1)
         if valid is None:
             valid = torch.ones(B, S, dtype=torch.bool, device=input_ids.device)
         valid = F.pad(valid, (0, num_pad), value=False)
-    mask = GlobalMask.from_position_ids(position_ids, valid_BS=valid, causal=True)
+    mask = _global_mask(position_ids, valid)
 
     s = (S + num_pad) // sp_size
     local = slice(sp_rank * s, (sp_rank + 1) * s)
     return ShardedBatch(
         input_ids=input_ids[:, local].contiguous(),
-        position_ids=position_ids[:, local].contiguous(),
+        position_ids=position_ids[..., local].contiguous(),
         shift_labels=shift_labels[:, local].contiguous(),
         ulysses_mask=mask,
     )
+
+
+def _global_mask(position_ids: torch.Tensor, valid_BS: torch.Tensor | None) -> GlobalMask:
+    """Causal mask with the documents of ``(B, S)`` or MRoPE ``(R, B, S)`` positions (module docstring)."""
+    if position_ids.dim() == 2:
+        return GlobalMask.from_position_ids(position_ids, valid_BS=valid_BS, causal=True)
+    if position_ids.shape[0] == 4:  # row 0: text positions, as the VL text models use for their own mask
+        return GlobalMask.from_position_ids(position_ids[0], valid_BS=valid_BS, causal=True)
+    starts_BS = (position_ids == 0).all(dim=0)
+    starts_BS[:, 0] = True
+    doc_BS = starts_BS.long().cumsum(dim=1) - 1
+    has_docs = bool((doc_BS[:, -1] > 0).any())
+    return GlobalMask(position_ids.shape[-1], True, doc_BS if has_docs else None, valid_BS)
 
 
 def _default_position_ids(input_ids_BS: torch.Tensor, attention_mask_BS: torch.Tensor | None) -> torch.Tensor:
@@ -147,18 +180,52 @@ def _validated(
             f"batch['input_ids'] must be a non-empty (batch, seq) tensor, got {shape}; collate "
             "sequences into a 2-D tensor (add a batch dim with input_ids[None] for one sequence)."
         )
+    _check_multimodal(batch)
     found = []
     for key in _SEQ_KEYS:
         t = batch.get(key)
+        if key == "position_ids" and _is_mrope(t, input_ids):
+            found.append(t)
+            continue
         if t is not None and (not isinstance(t, torch.Tensor) or t.shape != input_ids.shape):
             shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(
                 f"batch[{key!r}] must be a tensor of input_ids' shape {tuple(input_ids.shape)}, got {shape}; "
                 "pass 2-D (batch, seq) tensors from one collator (4-D attention masks are not "
-                "supported: give position_ids for packed documents instead)."
+                "supported: give position_ids for packed documents instead; MRoPE position_ids may "
+                "also be (3, batch, seq) or (4, batch, seq))."
             )
         found.append(t)
     return input_ids, *found  # type: ignore[return-value]
+
+
+def _is_mrope(t: Any, input_ids_BS: torch.Tensor) -> bool:
+    """``t`` is MRoPE ``position_ids`` ``(R, B, S)`` with R in (3, 4) for ``input_ids`` ``(B, S)``."""
+    return (isinstance(t, torch.Tensor) and t.dim() == 3 and t.shape[0] in _MROPE_ROWS
+            and t.shape[1:] == input_ids_BS.shape)
+
+
+def _check_multimodal(batch: Mapping[str, Any]) -> None:
+    """Refuse what a VL model would compute from the whole sequence while it only sees its shard."""
+    media = [k for k in _MEDIA_KEYS if batch.get(k) is not None]
+    if media:
+        raise ValueError(
+            f"batch carries {media}: under Ulysses SP each rank holds only its shard of input_ids, while a "
+            "vision-language model merges ALL image / video features into the image tokens of its input (a "
+            "feature-count mismatch, or features on the wrong tokens). Sequence-parallel training here covers "
+            "the text tower: feed batches of input_ids without pixel_values / pixel_values_videos / "
+            "mm_encoder_outputs / inputs_embeds (3-D position_ids from get_rope_index are fine), or run "
+            "multimodal batches with sp_size=1 (data parallelism)."
+        )
+    grids = [k for k in _GRID_KEYS if batch.get(k) is not None]
+    if grids and batch.get("position_ids") is None:
+        raise ValueError(
+            f"batch carries {grids} but no position_ids: the multimodal rope index needs the FULL sequence, "
+            "and a sharded model would compute it from its shard only. Compute it on the full batch before "
+            "sharding, e.g. batch['position_ids'] = model.model.get_rope_index(input_ids, "
+            "mm_token_type_ids=..., image_grid_thw=..., video_grid_thw=..., attention_mask=...)[0] "
+            "(packed rows: per document, concatenated on the last dim)."
+        )
 
 
 def validate_same_batch(input_ids_BS: torch.Tensor, group: ProcessGroup | None) -> None:

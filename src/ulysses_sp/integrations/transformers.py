@@ -104,9 +104,6 @@ def unsupported_reasons(
     reasons.extend(unsupported_mixer_reasons(model, sp_size, layer_types - _SUPPORTED_LAYER_TYPES))
     if "chunked_attention" in layer_types:
         reasons.append("chunked attention (Llama 4 style) needs a chunk mask the Ulysses kernels do not build")
-    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    if isinstance(rope, Mapping) and "mrope_section" in rope:
-        reasons.append("multimodal rotary embeddings (MRoPE, 3-D position_ids) are not supported")
     if getattr(config, "alibi", False) or getattr(config, "position_embedding_type", None) == "alibi":
         reasons.append("ALiBi position bias is not passed to attention functions and cannot be sharded")
     if any(getattr(m, "sinks", None) is not None for m in model.modules()):
@@ -144,6 +141,13 @@ def check_model_support(model: torch.nn.Module, config: UlyssesSPConfig) -> str:
     if reasons:
         raise ValueError(f"{type(base).__name__} cannot be made sequence-parallel: " + "; ".join(reasons) + ".")
     return kernel
+
+
+def _uses_mrope(model: PreTrainedModel) -> bool:
+    """Whether the text decoder applies multimodal rotary embeddings (``mrope_section`` in its rope config)."""
+    config = model.config.get_text_config()
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    return isinstance(rope, Mapping) and "mrope_section" in rope
 
 
 def _bidirectional_attention(model: PreTrainedModel) -> str | None:
@@ -238,10 +242,13 @@ class UlyssesSP:
             function = wrapper(function)
         AttentionInterface.register(self.key, function)
         self._mask_hook = self.base.register_forward_pre_hook(self._keep_call_mask, with_kwargs=True)
-        config = self.base.config
-        self._saved = (current_attn_implementation(self.base), config.use_cache)
+        # VL configs built in code keep use_cache only on the text config, which the text tower reads
+        caches = [c for c in {id(c): c for c in (self.base.config, self.base.config.get_text_config())}.values()
+                  if hasattr(c, "use_cache")]
+        self._saved = (current_attn_implementation(self.base), [(c, c.use_cache) for c in caches])
         self.base.set_attn_implementation(self.key)
-        config.use_cache = False
+        for c in caches:
+            c.use_cache = False
         if self.config.tiled_mlp_tokens is not None:
             apply_tiled_mlp(self.base, self.config.tiled_mlp_tokens)
         self._mixers = install_sp_mixers(self.base, self.mesh)
@@ -260,7 +267,8 @@ class UlyssesSP:
         if self.offload is not None:
             self.offload.unregister()
         self.base.set_attn_implementation(implementation)
-        self.base.config.use_cache = use_cache
+        for c, value in use_cache:
+            c.use_cache = value
         unregister_attention_function(self.key)
         if self._mask_hook is not None:
             self._mask_hook.remove()
@@ -330,6 +338,12 @@ class UlyssesSP:
         2. :func:`ulysses_sp.data.shard_batch` (pad S to a multiple of P, shift labels, global mask).
         """
         check_batch(batch, self.mesh.sp_group if check_same and self.mesh.sp_size > 1 else None, packed=packed)
+        positions = batch.get("position_ids")
+        if isinstance(positions, torch.Tensor) and positions.dim() == 3 and not _uses_mrope(self.base):
+            raise ValueError(
+                f"position_ids of shape {tuple(positions.shape)} are multimodal (MRoPE) positions, but "
+                f"{type(self.base).__name__} has no mrope_section in its rope config; give (batch, seq) position_ids."
+            )
         pad = getattr(self.base.config.get_text_config(), "pad_token_id", None)
         return shard_batch(batch, self.mesh.sp_rank, self.mesh.sp_size, pad_token_id=pad or 0, ignore_index=ignore_index)
 
