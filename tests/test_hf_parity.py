@@ -52,7 +52,7 @@ def sp_run(family, kind, mesh, checkpointing=False, tiled_mlp_tokens=None, tiled
         assert num_tiled == (model.config.num_hidden_layers if tiled_mlp_tokens else 0)
         shard = sp.shard(tiny_batch(kind))
         num_items = global_num_items(shard["shift_labels"], mesh.sp_group)
-        loss = sp.forward_loss(model, shard, num_items)
+        loss = sp.forward_loss(model, shard, num_items, grad_average_world=mesh.sp_size)  # grads averaged over SP below
         loss.backward()
     assert model.config._attn_implementation == tiny_model(family).config._attn_implementation  # unregistered
     assert all(type(m).__name__ != "TiledMLP" for m in model.modules())  # tiled MLPs removed again
@@ -151,6 +151,8 @@ def _worker(rank, world):
         check(family, kind, mesh, backend="ring")
     for family, kind, two_d in TWO_D_PLAN.get(world, []):
         check(family, kind, mesh, **two_d)
+    if world == 4:  # Ulysses x ring inside each of 2 data-parallel replicas (groups enumerated per replica)
+        check("llama_n2", "packed", SPMesh.from_world(2), ring_size=2, expect_ring=(1, 2))
     if world == 2:
         check("llama", "padding", mesh, checkpointing=True)
         check("stablelm", "padding", mesh, checkpointing=True)  # the recompute finds the call's mask too
