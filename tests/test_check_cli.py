@@ -79,3 +79,17 @@ def test_sp_size_larger_than_heads_exits_2_with_ulysses_message(llama_dir, capsy
     assert "cannot be made sequence-parallel" in err and "all-to-all over 16 ranks > num_attention_heads 8" in err
     assert main(["check", str(llama_dir), "--sp-size", "4", "--sp-ring-size", "3"]) == 2
     assert "sp_ring_size=3 does not divide sp_size=4" in capsys.readouterr().err
+
+
+def test_compare_treats_a_theoretically_zero_gradient_as_zero_but_not_a_wrong_one():
+    """Bug caught: a key-projection bias (gradient exactly zero in theory: softmax ignores a shift
+    shared by all keys) holding rounding noise of 1e-8 on both sides was reported as a 20 % mismatch
+    (biogpt, opt, bert, ... exact under SP). Against a floor of 1e-3 of the model's largest gradient
+    the noise is a match, while a real error in that tensor (1e-3 of the largest gradient) still fails."""
+    ref, sp = _fake_results()
+    ref.grads["layers.0.k_proj.bias"] = torch.full((8,), 1.4e-8)
+    sp.grads["layers.0.k_proj.bias"] = torch.full((8,), 1.1e-8)
+    assert compare(ref, sp, TOLERANCES["float32"]).exit_code == 0
+    sp.grads["layers.0.k_proj.bias"][0] = 1e-3 * ref.grads["embed.weight"].abs().max()
+    result = compare(ref, sp, TOLERANCES["float32"])
+    assert result.exit_code == 1 and result.grad_rel_name == "layers.0.k_proj.bias"

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tiny_models import tiny_batch, tiny_model
-from ulysses_sp import SPMesh, UlyssesSPConfig
+from ulysses_sp import GlobalMask, SPMesh, UlyssesSPConfig
 from dist_helper import spawn
 from ulysses_sp.integrations.transformers import UlyssesSP
 from ulysses_sp.loss import global_num_items, reported_loss
@@ -207,6 +207,20 @@ def test_unsupported_models_are_refused_at_registration():
                          mamba_d_conv=4, mamba_expand=2)
     with pytest.raises(ValueError, match="linear / recurrent / hybrid"):
         UlyssesSP(tf.AutoModelForCausalLM.from_config(cfg), FakeMesh())
+    # Bug caught (found by scripts/model_families.py): both trained silently wrong under SP
+    roberta = tf.RobertaConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                               num_attention_heads=4, is_decoder=True)
+    with pytest.raises(ValueError, match="RoBERTa-style"):  # positions offset by padding_idx + 1, from input_ids
+        UlyssesSP(tf.AutoModelForCausalLM.from_config(roberta), FakeMesh())
+    doge = tf.DogeConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2)
+    with pytest.raises(ValueError, match="learned dynamic mask"):  # a bias over the rank's own keys
+        UlyssesSP(tf.AutoModelForCausalLM.from_config(doge), FakeMesh())
+    sp = UlyssesSP(tiny_model("llama"), FakeMesh())  # backstop at call time:
+    q = torch.zeros(1, 8, 4, 8)  # a model-built mask tensor reaching the attention function is refused
+    with pytest.raises(ValueError, match="passes its own attention mask"):
+        sp._attention_forward(torch.nn.Module(), q, q[:, :2], q[:, :2], torch.zeros(1, 1, 4, 4),
+                              ulysses_mask=GlobalMask(4))
     FakeMesh.sp_size = 16
     with pytest.raises(ValueError, match="all-to-all over 16 ranks > num_attention_heads 8: use sp_ring_size >= 2"):
         UlyssesSP(tiny_model("llama"), FakeMesh(), UlyssesSPConfig(sp_size=16, sp_ring_size=1))

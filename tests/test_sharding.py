@@ -114,3 +114,14 @@ def test_dataloader_wrapper_shards_and_forwards_length() -> None:
         len(UlyssesDataLoader(iter(batches), 0, 2))
     with pytest.raises(ValueError, match="sp_rank"):
         UlyssesDataLoader(batches, 2, 2)
+
+
+def test_padding_to_multiple_of_sp_size_repeats_the_last_token_by_default() -> None:
+    """Bug caught: S padded with the pad token, whose embedding row is all zeros in many models:
+    Gemma3n takes the root of a mean square of it and its gradients became NaN under SP at S % P != 0
+    although the padded position is masked and ignored. The default pads with each row's last token."""
+    ids = torch.tensor([[5, 6, 7, 8, 9], [4, 3, 2, 1, 11]])  # S = 5, P = 2: one padded position
+    shards = [shard_batch({"input_ids": ids}, r, 2) for r in range(2)]
+    assert torch.equal(_cat(shards, "input_ids")[:, 5:], torch.tensor([[9], [11]]))
+    assert torch.equal(_cat(shards, "shift_labels")[:, 4:], torch.full((2, 2), IGNORE))
+    assert torch.equal(shards[0]["ulysses_mask"].valid, torch.tensor([[True] * 5 + [False]] * 2))

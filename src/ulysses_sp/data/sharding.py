@@ -86,7 +86,7 @@ def shard_batch(
     sp_rank: int,
     sp_size: int,
     *,
-    pad_token_id: int = 0,
+    pad_token_id: int | None = None,
     ignore_index: int = IGNORE_INDEX,
 ) -> ShardedBatch:
     """This rank's shard of a global causal-LM batch (flow in the module docstring).
@@ -100,7 +100,10 @@ def shard_batch(
             (e.g. flash-attention ``cu_seq_lens_*``) are dropped: the global mask replaces them.
         sp_rank: this rank's index in its SP group, ``0 <= sp_rank < sp_size``.
         sp_size: ranks sharing the sequence (P).
-        pad_token_id: token used to pad S up to a multiple of P.
+        pad_token_id: token used to pad S up to a multiple of P; None (default): each row's last
+            token repeated. Those positions are ignored by the mask and the loss, but their
+            activations still flow: the padding row of an embedding is often all zeros, and a
+            model taking the root of a mean square of it (Gemma3n's altup) gets NaN gradients.
         ignore_index: label value the loss skips.
 
     Labels are shifted exactly like transformers' ``ForCausalLMLoss`` (no extra masking at document
@@ -123,7 +126,10 @@ def shard_batch(
     num_pad = -S % sp_size
     valid = None if attention_mask is None else attention_mask.bool()
     if num_pad:
-        input_ids = F.pad(input_ids, (0, num_pad), value=pad_token_id)
+        if pad_token_id is None:
+            input_ids = torch.cat([input_ids, input_ids[:, -1:].expand(-1, num_pad)], dim=1)
+        else:
+            input_ids = F.pad(input_ids, (0, num_pad), value=pad_token_id)
         shift_labels = F.pad(shift_labels, (0, num_pad), value=ignore_index)
         steps = torch.arange(1, num_pad + 1, device=position_ids.device, dtype=position_ids.dtype)
         position_ids = torch.cat([position_ids, position_ids[..., -1:] + steps], dim=-1)

@@ -106,7 +106,18 @@ def unsupported_reasons(
         reasons.append("chunked attention (Llama 4 style) needs a chunk mask the Ulysses kernels do not build")
     if getattr(config, "alibi", False) or getattr(config, "position_embedding_type", None) == "alibi":
         reasons.append("ALiBi position bias is not passed to attention functions and cannot be sharded")
-    if any(getattr(m, "sinks", None) is not None for m in model.modules()):
+    modules = list(model.modules())
+    if any(hasattr(m, "create_position_ids_from_input_ids") for m in modules):
+        reasons.append(
+            "its embeddings derive position ids from input_ids (RoBERTa-style: padding_idx + 1 + the count of "
+            "non-padding tokens so far), a rule over the whole row that the global position_ids of the shards "
+            "do not follow"
+        )
+    if any(type(m).__name__.endswith("Attention") and isinstance(getattr(m, "A", None), torch.nn.Parameter)
+           and hasattr(m, "dt_proj") for m in modules):
+        reasons.append("its attention adds a learned dynamic mask (Doge-style, computed from this rank's keys) "
+                       "that the global mask cannot carry")
+    if any(getattr(m, "sinks", None) is not None for m in modules):
         reasons.append("attention sinks (learned per-head logits) are not supported by the Ulysses kernels")
     ring = backend == "ring" or (backend == "ulysses" and N is not None and
                                   (ring_size or auto_ring_size(sp_size, N)) > 1)
@@ -314,6 +325,15 @@ class UlyssesSP:
                     "(or UlyssesDataLoader) and call model(**sp.model_inputs(batch))."
                 )
             ulysses_mask = GlobalMask(query.shape[2], causal=getattr(module, "is_causal", True))
+        elif isinstance(attention_mask, torch.Tensor):
+            # models under our key get no mask from transformers (we pass no attention_mask): a tensor here
+            # was built by the model itself, e.g. Doge's learned dynamic-mask bias over its local keys
+            raise ValueError(
+                f"{type(module).__name__} passes its own attention mask / bias ({attention_mask.dtype} "
+                f"{tuple(attention_mask.shape)}) to the attention function; Ulysses SP attends with the global "
+                "mask only and cannot shard a bias the model computes from its local keys, so this model cannot be "
+                "made sequence-parallel (train it with sp_size=1)."
+            )
         device_type = query.device.type
         if torch.is_autocast_enabled(device_type):
             # under autocast (Trainer / Accelerate bf16) RoPE leaves q, k in fp32 while v is bf16; SDPA and
@@ -344,8 +364,7 @@ class UlyssesSP:
                 f"position_ids of shape {tuple(positions.shape)} are multimodal (MRoPE) positions, but "
                 f"{type(self.base).__name__} has no mrope_section in its rope config; give (batch, seq) position_ids."
             )
-        pad = getattr(self.base.config.get_text_config(), "pad_token_id", None)
-        return shard_batch(batch, self.mesh.sp_rank, self.mesh.sp_size, pad_token_id=pad or 0, ignore_index=ignore_index)
+        return shard_batch(batch, self.mesh.sp_rank, self.mesh.sp_size, ignore_index=ignore_index)
 
     @staticmethod
     def model_inputs(batch: Mapping[str, Any]) -> dict[str, Any]:
