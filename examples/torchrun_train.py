@@ -18,6 +18,7 @@ steps already done. ``--save-at K`` saves the same state and trains on.
 """
 
 import argparse
+import datetime
 import itertools
 import json
 import os
@@ -44,8 +45,9 @@ def main() -> None:
     parser.add_argument("--resume-from", default=None, help="a --save-dir to continue from")
     args = parser.parse_args()
 
-    dist.init_process_group("gloo")  # "nccl" on GPUs
-    mesh = SPMesh.from_world(args.sp_size)
+    # "nccl" on GPUs; a collective waiting longer than the timeout raises instead of hanging the job
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    mesh = SPMesh.from_world(args.sp_size, timeout_s=120)
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024)
