@@ -237,7 +237,7 @@ def check_family(family: str, scenarios: dict[str, dict[str, Any]] = SCENARIOS) 
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     from ulysses_sp import UlyssesSPConfig, check_model_support
-    from ulysses_sp.cli.check.engine import CheckOptions, run_check
+    from ulysses_sp.cli.check.engine import CheckInputError, CheckOptions, run_check
 
     t0 = time.perf_counter()
     entry: dict[str, Any] = {"family": family, "model_class": MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(family, "?"),
@@ -288,12 +288,16 @@ def check_family(family: str, scenarios: dict[str, dict[str, Any]] = SCENARIOS) 
             del model
         except Exception as err:  # noqa: BLE001
             return done("not checked", f"plain transformers fails on the tiny model: {_first_line(err)}")
-        failures = []
+        failures, skipped = [], []
         for name, fields in scenarios.items():
             opts = CheckOptions(model=str(Path(tmp) / "config.json"), sp_size=SP_SIZE, random_init=True,
                                 attn_implementation=attn, **fields)
             try:
                 c = run_check(opts).comparison
+            except CheckInputError as err:  # e.g. plain transformers gives NaN on this batch: nothing to compare
+                entry["scenarios"][name] = {"skipped": str(err)}
+                skipped.append(f"{name} not compared: {err}")
+                continue
             except Exception as err:  # noqa: BLE001 - an error under SP is a finding, with its message
                 entry["scenarios"][name] = {"error": _rank_error(err), "traceback": traceback.format_exc()[-4000:]}
                 failures.append(f"{name}: {_rank_error(err)}")
@@ -305,8 +309,10 @@ def check_family(family: str, scenarios: dict[str, dict[str, Any]] = SCENARIOS) 
                 failures.append(f"{name}: loss rel diff {c.loss_rel:.1e}, grad rel diff {c.grad_rel:.1e} "
                                 f"(worst {c.grad_rel_name}; tolerance {t.loss_rel:.0e} / {t.grad_rel:.0e})")
     if failures:
-        return done("DEFECT", "; ".join(failures))
-    return done("exact", "")
+        return done("DEFECT", "; ".join(failures + skipped))
+    if len(skipped) == len(scenarios):
+        return done("not checked", "; ".join(skipped))
+    return done("exact", "; ".join(skipped))
 
 
 # worker process ----------------------------------------------------------------------------------

@@ -125,3 +125,9 @@ def test_padding_to_multiple_of_sp_size_repeats_the_last_token_by_default() -> N
     assert torch.equal(_cat(shards, "input_ids")[:, 5:], torch.tensor([[9], [11]]))
     assert torch.equal(_cat(shards, "shift_labels")[:, 4:], torch.full((2, 2), IGNORE))
     assert torch.equal(shards[0]["ulysses_mask"].valid, torch.tensor([[True] * 5 + [False]] * 2))
+    # the batch's own padding holds the row's first real token too (masked and ignored all the same)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [0, 0, 1, 1, 1]])
+    shards = [shard_batch({"input_ids": ids, "attention_mask": mask}, r, 2) for r in range(2)]
+    assert torch.equal(_cat(shards, "input_ids"), torch.tensor([[5, 6, 7, 5, 5, 5], [2, 2, 2, 1, 11, 11]]))
+    assert torch.equal(_cat(shards, "shift_labels"), torch.tensor([[6, 7, IGNORE, IGNORE, IGNORE, IGNORE],
+                                                                   [IGNORE, IGNORE, 1, 11, IGNORE, IGNORE]]))

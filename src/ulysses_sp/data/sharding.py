@@ -101,9 +101,11 @@ def shard_batch(
         sp_rank: this rank's index in its SP group, ``0 <= sp_rank < sp_size``.
         sp_size: ranks sharing the sequence (P).
         pad_token_id: token used to pad S up to a multiple of P; None (default): each row's last
-            token repeated. Those positions are ignored by the mask and the loss, but their
+            token repeated, and the batch's own padding (``attention_mask`` 0) replaced by the
+            row's first real token. Padding is ignored by the mask and the loss, but its
             activations still flow: the padding row of an embedding is often all zeros, and a
-            model taking the root of a mean square of it (Gemma3n's altup) gets NaN gradients.
+            model taking the root of a mean square of it (Gemma3n's altup) gets NaN gradients
+            (plain transformers avoids them only because its padded queries attend to every key).
         ignore_index: label value the loss skips.
 
     Labels are shifted exactly like transformers' ``ForCausalLMLoss`` (no extra masking at document
@@ -125,6 +127,11 @@ def shard_batch(
 
     num_pad = -S % sp_size
     valid = None if attention_mask is None else attention_mask.bool()
+    if valid is not None and pad_token_id is None:
+        # padding holds a real token of its row: masked out of attention and the loss either way, but
+        # never the pad embedding, which is all zeros in many models (see ``pad_token_id`` below)
+        first_BS1 = input_ids.gather(1, valid.int().argmax(dim=1, keepdim=True))
+        input_ids = torch.where(valid, input_ids, first_BS1)
     if num_pad:
         if pad_token_id is None:
             input_ids = torch.cat([input_ids, input_ids[:, -1:].expand(-1, num_pad)], dim=1)

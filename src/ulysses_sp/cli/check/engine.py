@@ -367,6 +367,14 @@ def run_check(opts: CheckOptions) -> CheckReport:
     config = model.config.get_text_config()
     batch = make_batch(opts, config.vocab_size, getattr(config, "pad_token_id", None) or 0)
     ref = reference_step(model, batch)
+    bad = [n for n, g in ref.grads.items() if g is not None and not bool(torch.isfinite(g).all())]
+    if not math.isfinite(ref.loss) or bad:
+        what = "loss" if not math.isfinite(ref.loss) else f"gradient of {bad[0]}"
+        raise CheckInputError(
+            f"the plain model (one process, no SP) already gives a non-finite {what} on this batch, so there is "
+            "nothing to compare; check with another batch (e.g. without --padding: some models, such as Gemma3n, "
+            "take the root of a zero padding embedding)."
+        )
     model_class, num_params = type(model).__name__, sum(p.numel() for p in model.parameters())
     del model
     if device.type == "cuda":
