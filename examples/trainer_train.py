@@ -121,6 +121,9 @@ def main(argv=None) -> None:
                                 "restored_tensors": offload.stats.num_restored}) + "\n")
     if a.eval:
         trainer.evaluate()  # logged through JsonLogger.on_log as eval_loss
+    if torch.distributed.is_initialized():  # shut the world and the SP / DP subgroups down together
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -38,7 +38,8 @@ def _worker(rank: int, fn: Callable, world_size: int, port: int, backend: str, t
     try:
         fn(rank, world_size, *args)
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():  # ``fn`` may have shut the world down itself
+            dist.destroy_process_group()
 
 
 def spawn(
