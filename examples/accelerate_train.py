@@ -93,9 +93,11 @@ def main() -> None:
                 if step in (args.save_at, args.stop_after):
                     accelerator.save_state(args.save_dir)  # model, optimizer, RNG of every rank, loader
                 if step == args.stop_after:
-                    return
+                    args.steps = step  # stop here (the state is saved)
                 if step == args.steps:
                     break
+    accelerator.wait_for_everyone()
+    accelerator.end_training()  # shuts the process groups down together
 
 
 def write(log, step: int, loss: float, grad_norm: torch.Tensor) -> None:
