@@ -213,3 +213,42 @@ def test_ring_is_causally_load_balanced():
     (the slowest rank sets the step time). With the zigzag re-layout every rank computes the same
     number of query x key pairs, and the result (output, dq, dk, dv) is exact either way."""
     spawn(_worker_balance, 3)
+
+
+def _worker_tiled(rank, world, cases):
+    import ulysses_sp.attention.ring as ring_module
+
+    ring_module.TILE_SCORES = 7  # a handful of query rows per tile: every explicit block runs in several tiles
+    _worker(rank, world, cases)
+
+
+def test_ring_explicit_blocks_in_row_tiles_match_single_process():
+    """Bug caught: a masked block computing c x c scores at once (O(c^2) memory per block: 4 GiB a head
+    at c = 32K), or row tiles that lose the causal-diagonal offset, a padding row, or the dk/dv
+    accumulation across tiles. With tiles of one or two rows, every mask kind equals the reference."""
+    spawn(_worker_tiled, 2, [(8, 2, m, torch.float32) for m in MASKS] + [(4, 1, "docs", torch.bfloat16)])
+
+
+def test_explicit_causal_diagonal_block_in_row_tiles(monkeypatch):
+    """Bug caught: the diagonal block's causal mask applied without the tile's row offset (GPU path;
+    float64 inputs take the explicit fp32 path on CPU too). Row tiles of 3 equal one untiled block, forward and
+    backward, and both equal autograd through a dense causal softmax."""
+    import ulysses_sp.attention.ring as ring_module
+
+    gen = torch.Generator().manual_seed(3)
+    q, k, v, do = (torch.randn(2, 4, 10, 8, generator=gen, dtype=torch.float64) for _ in range(4))
+    k, v = k[:, :2], v[:, :2]  # GQA: 2 kv heads
+    results = []
+    for tile in (1 << 24, 3 * 2 * 4 * 10):  # untiled; 3 rows per tile (B * N * cols = 80 scores a row)
+        monkeypatch.setattr(ring_module, "TILE_SCORES", tile)
+        o, lse = ring_module._block_forward(q, k, v, None, True, 0.3)
+        results.append((o, lse, *ring_module._block_backward(do, q, k, v, o, lse, None, True, 0.3)))
+    qr, kr, vr = (x.clone().requires_grad_() for x in (q, k, v))
+    scores = (qr @ kr.repeat_interleave(2, 1).transpose(2, 3)) * 0.3
+    scores = scores.masked_fill(torch.ones(10, 10, dtype=torch.bool).triu(1), float("-inf"))
+    out = torch.softmax(scores, -1) @ vr.repeat_interleave(2, 1)
+    out.backward(do)
+    for got in results:  # the kernel computes in fp32 (observed <= 2.3e-7 off the float64 reference); a
+        # wrong diagonal offset unmasks future keys: O(0.1) differences
+        for a, b in zip((got[0], got[2], got[3], got[4]), (out, qr.grad, kr.grad, vr.grad)):
+            torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5)

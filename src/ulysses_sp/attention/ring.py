@@ -57,8 +57,9 @@ def _block_mask(
 ) -> tuple[torch.Tensor | None, bool]:
     """Who may attend in the block of query rows ``[row0, row0+s)`` x key cols ``[col0, col0+s)``.
 
-    Returns ``(allowed, causal_diag)``: ``allowed`` is ``(B or 1, 1, s, s)`` bool
-    (``GlobalMask.block``) or ``None`` when the block is
+    Returns ``(allowed, causal_diag)``: ``allowed(a, b)`` gives the ``(B or 1, 1, b - a, s)`` bool rows
+    ``[a, b)`` of the block (``GlobalMask.block``; built per row tile, never ``s x s`` at once), or
+    ``allowed`` is ``None`` when the block is
     either fully visible (``causal_diag=False``) or the plain causal diagonal (``True``).
     Blocks are aligned (``row0``, ``col0`` multiples of ``s``), so a causal block is either
     fully below the diagonal, on it, or fully above it (hidden; the caller skips those).
@@ -68,7 +69,7 @@ def _block_mask(
             return None, False
         if col0 == row0:
             return None, True
-    return mask.block(row0, col0, s, s, device, window)[:, None], False
+    return (lambda a, b: mask.block(row0 + a, col0, b - a, s, device, window)[:, None]), False
 
 
 def _expand(x_BKsH: torch.Tensor, N: int) -> torch.Tensor:
@@ -81,20 +82,49 @@ def _reduce_heads(g_BNsH: torch.Tensor, K: int) -> torch.Tensor:
     return g_BNsH if K == N else g_BNsH.view(B, K, N // K, s, H).sum(2)
 
 
+TILE_SCORES = 1 << 24
+"""Score elements (fp32) the explicit block kernel holds at once: it runs over tiles of query rows,
+so a masked (or GPU) block of c x c costs O(rows_per_tile * c), not O(c^2), at any length."""
+
+
+def _row_tiles(q: torch.Tensor, num_cols: int) -> list[tuple[int, int]]:
+    """``[a, b)`` query-row ranges of at most ``TILE_SCORES`` scores (over ``B * N`` heads) each."""
+    B, N, rows = q.shape[0], q.shape[1], q.shape[2]
+    step = max(1, TILE_SCORES // max(1, B * N * num_cols))
+    return [(a, min(a + step, rows)) for a in range(0, rows, step)]
+
+
+def _tile_scores(q_tile, kf, allowed_tile, causal_diag: bool, scale: float, a: int, b: int) -> torch.Tensor:
+    """fp32 masked scores of query rows ``[a, b)`` of the block against all its keys."""
+    scores = torch.matmul(q_tile.float(), kf.transpose(2, 3)) * scale
+    if allowed_tile is not None:
+        return scores.masked_fill(~allowed_tile, _NEG_INF)
+    if causal_diag:  # key j is hidden from row a + i when j > a + i
+        hidden = torch.ones(b - a, kf.shape[2], dtype=torch.bool, device=scores.device).triu(1 + a)
+        return scores.masked_fill(hidden, _NEG_INF)
+    return scores
+
+
 def _block_forward(q, k, v, allowed, causal_diag: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """One block: ``o (B,N,s,Hv)`` fp32 and ``lse (B,N,s)`` fp32 (``-inf`` for rows with no key)."""
     k, v = _expand(k, q.shape[1]), _expand(v, q.shape[1])
     if allowed is None and q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16):
         o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal_diag, scale=scale)
         return o.float(), lse
-    scores = torch.matmul(q.float(), k.float().transpose(2, 3)) * scale
-    if allowed is not None:
-        scores = scores.masked_fill(~allowed, _NEG_INF)
-    elif causal_diag:
-        scores = scores.masked_fill(torch.ones_like(scores[0, 0], dtype=torch.bool).triu(1), _NEG_INF)
-    lse = torch.logsumexp(scores, dim=-1)
-    p = torch.exp(scores - lse.masked_fill(lse == _NEG_INF, 0.0)[..., None])
-    return torch.matmul(p, v.float()), lse
+    kf, vf = k.float(), v.float()
+    outs, lses = [], []
+    for a, b in _row_tiles(q, k.shape[2]):
+        allowed_tile = allowed(a, b) if allowed is not None else None
+        if allowed_tile is not None and not bool(allowed_tile.any()):  # no key for these rows in this block
+            outs.append(torch.zeros(*q.shape[:2], b - a, v.shape[3], dtype=torch.float32, device=q.device))
+            lses.append(torch.full((*q.shape[:2], b - a), _NEG_INF, dtype=torch.float32, device=q.device))
+            continue
+        scores = _tile_scores(q[:, :, a:b], kf, allowed_tile, causal_diag, scale, a, b)
+        lse = torch.logsumexp(scores, dim=-1)
+        p = torch.exp(scores - lse.masked_fill(lse == _NEG_INF, 0.0)[..., None])
+        outs.append(torch.matmul(p, vf))
+        lses.append(lse)
+    return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
 
 
 def _block_backward(do, q, k, v, o, lse, allowed, causal_diag: bool, scale: float):
@@ -106,17 +136,24 @@ def _block_backward(do, q, k, v, o, lse, allowed, causal_diag: bool, scale: floa
             do, q, ke, ve, o, lse, 0.0, causal_diag, scale=scale
         )
         return dq.float(), _reduce_heads(dk.float(), K), _reduce_heads(dv.float(), K)
-    qf, kf, vf, dof = q.float(), ke.float(), ve.float(), do.float()
-    scores = torch.matmul(qf, kf.transpose(2, 3)) * scale
-    if allowed is not None:
-        scores = scores.masked_fill(~allowed, _NEG_INF)
-    elif causal_diag:
-        scores = scores.masked_fill(torch.ones_like(scores[0, 0], dtype=torch.bool).triu(1), _NEG_INF)
-    p = torch.exp(scores - lse.masked_fill(lse == _NEG_INF, 0.0)[..., None])
-    dv = torch.matmul(p.transpose(2, 3), dof)
-    dp = torch.matmul(dof, vf.transpose(2, 3))
-    ds = p * (dp - (dof * o.float()).sum(-1, keepdim=True)) * scale
-    return torch.matmul(ds, kf), _reduce_heads(torch.matmul(ds.transpose(2, 3), qf), K), _reduce_heads(dv, K)
+    kf, vf = ke.float(), ve.float()
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dk = torch.zeros(kf.shape, dtype=torch.float32, device=q.device)
+    dv = torch.zeros(vf.shape, dtype=torch.float32, device=q.device)
+    for a, b in _row_tiles(q, kf.shape[2]):
+        allowed_tile = allowed(a, b) if allowed is not None else None
+        if allowed_tile is not None and not bool(allowed_tile.any()):
+            continue
+        qf, dof = q[:, :, a:b].float(), do[:, :, a:b].float()
+        scores = _tile_scores(qf, kf, allowed_tile, causal_diag, scale, a, b)
+        rows_lse = lse[:, :, a:b]
+        p = torch.exp(scores - rows_lse.masked_fill(rows_lse == _NEG_INF, 0.0)[..., None])
+        dv += torch.matmul(p.transpose(2, 3), dof)
+        dp = torch.matmul(dof, vf.transpose(2, 3))
+        ds = p * (dp - (dof * o[:, :, a:b].float()).sum(-1, keepdim=True)) * scale
+        dq[:, :, a:b] = torch.matmul(ds, kf)
+        dk += torch.matmul(ds.transpose(2, 3), qf)
+    return dq, _reduce_heads(dk, K), _reduce_heads(dv, K)
 
 
 class _Ring:
@@ -183,8 +220,6 @@ class _RingAttention(torch.autograd.Function):
                     if mask.causal and col0 > row0:  # aligned chunks: entirely above the diagonal
                         continue
                     allowed, diag = _block_mask(mask, row0, col0, n, window, q.device)
-                    if allowed is not None and not bool(allowed.any()):
-                        continue
                     o_t, lse_t = _block_forward(qc, kc, vc, allowed, diag, scale)
                     o[:, :, a:a + n], lse[:, :, a:a + n] = _merge(o[:, :, a:a + n], lse[:, :, a:a + n], o_t, lse_t)
             if pending is not None:
@@ -220,8 +255,6 @@ class _RingAttention(torch.autograd.Function):
                     if mask.causal and col0 > row0:
                         continue
                     allowed, diag = _block_mask(mask, row0, col0, n, window, q.device)
-                    if allowed is not None and not bool(allowed.any()):
-                        continue
                     g = _block_backward(doc, qc, kc, vc, oc, lsec, allowed, diag, scale)
                     dq[:, :, a:a + n] += g[0]
                     dk_t[:, :, a_k:a_k + m] += g[1]
