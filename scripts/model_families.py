@@ -45,7 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs" / "models.md"
 RECORD = ROOT / "benchmarks" / "results" / "model_families.json"
 START, END = "<!-- model-families:start -->", "<!-- model-families:end -->"
-SP_SIZE = 2
+SP_SIZE = int(os.environ.get("MODEL_FAMILIES_SP_SIZE", "2"))  # --sp-size (the workers read it from the environment)
 SCENARIOS: dict[str, dict[str, Any]] = {  # name -> CheckOptions fields (besides model, sp_size, random_init)
     "plain": {"seq_len": 24},
     "padded+packed": {"seq_len": 23, "padding": True, "packed": True},  # S % P != 0, 2 rows, <= 3 docs each
@@ -497,11 +497,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=1, help="families checked at once (each runs P=2 ranks)")
     parser.add_argument("--time-limit", type=float, default=300.0, help="seconds per family before it is a DEFECT")
     parser.add_argument("--record", type=Path, default=RECORD, help=f"JSON record (default {RECORD.relative_to(ROOT)})")
+    parser.add_argument("--sp-size", type=int, default=2,
+                        help="ranks per check (default 2; e.g. 8 > the tiny configs' 4 heads checks Ulysses x ring); "
+                        "the docs table is written for 2 only")
     parser.add_argument("--_worker", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args._worker is not None:
+    if args._worker is not None:  # its sp_size comes from the environment (set below by the parent)
         _worker_main(args._worker)
         return 0
+    if args.write and args.sp_size != 2:
+        parser.error("--write records the sp_size 2 table; run other sizes without --write")
+    os.environ["MODEL_FAMILIES_SP_SIZE"] = str(args.sp_size)  # the workers started below inherit it
+    globals()["SP_SIZE"] = args.sp_size
     import torch
     import transformers
 
