@@ -321,12 +321,13 @@ def sp_step(opts: CheckOptions, batch: CheckBatch) -> StepResult:
 
 
 # 5. compare -------------------------------------------------------------------------------------
-ZERO_GRAD_FLOOR = 1e-3
+ZERO_GRAD_FLOOR = 1e-2
 """Relative gradient differences are taken against at least this fraction of the model's largest
 gradient. The gradient of a key-projection bias is exactly zero in theory (softmax ignores a shift
 shared by all keys), so both runs hold fp32 rounding noise (~1e-8 against a largest gradient of
-0.35 in biogpt) whose ratio would read as a 20 % mismatch. With the floor, a difference is missed
-only if it is below 1e-4 x 1e-3 = 1e-7 of the largest gradient: fp32 noise level."""
+0.35 in biogpt at P=2, ~1e-7 of the largest at P=8) whose ratio would read as a 20 % mismatch.
+With the floor, a difference is missed only if it is below 1e-4 x 1e-2 = 1e-6 of the largest
+gradient: fp32 noise level of a sum over the sequence."""
 
 
 def _grad_diffs(ref: torch.Tensor | None, sp: torch.Tensor | None, floor: float = 0.0) -> tuple[float, float]:
