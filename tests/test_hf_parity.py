@@ -226,3 +226,7 @@ def test_unsupported_models_are_refused_at_registration():
         UlyssesSP(tiny_model("llama"), FakeMesh(), UlyssesSPConfig(sp_size=16, sp_ring_size=1))
     with pytest.raises(ValueError, match="Ulysses x ring when sp_size > num_attention_heads"):  # the ring cannot softcap
         UlyssesSP(tiny_model("gemma2"), FakeMesh(), UlyssesSPConfig(sp_size=16))
+    dropout = tiny_model("llama")
+    dropout.config.attention_dropout = 0.1  # the ring has no attention dropout: refused before training
+    with pytest.raises(ValueError, match="attention_dropout=0.1: ring attention"):
+        UlyssesSP(dropout, FakeMesh(), UlyssesSPConfig(sp_size=16))

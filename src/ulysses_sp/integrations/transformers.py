@@ -121,17 +121,22 @@ def unsupported_reasons(
         reasons.append("attention sinks (learned per-head logits) are not supported by the Ulysses kernels")
     ring = backend == "ring" or (backend == "ulysses" and N is not None and
                                   (ring_size or auto_ring_size(sp_size, N)) > 1)
-    if ring and getattr(config, "attn_logit_softcapping", None):
+    softcap = getattr(config, "attn_logit_softcapping", None)
+    if ring and softcap:
         fix = ("use sp_size <= num_attention_heads (plain Ulysses) with attn_implementation='eager' (or flash / flex "
                "on GPU)") if backend == "ulysses" else ("use sp_backend='ulysses' with attn_implementation='eager' (or "
                                                         "flash / flex on GPU)")
         reasons.append("the model uses attention logit softcapping, which ring attention (sp_backend='ring', or "
                        f"Ulysses x ring when sp_size > num_attention_heads) cannot apply: {fix}")
-    elif kernel == "sdpa" and getattr(config, "attn_logit_softcapping", None):
+    elif kernel == "sdpa" and softcap:
         reasons.append(
             "the model uses attention logit softcapping, which SDPA cannot apply: load it with "
             "attn_implementation='eager' (or flash_attention_2 / flex_attention on GPU)"
         )
+    if ring and float(getattr(config, "attention_dropout", 0.0) or 0.0) > 0:
+        reasons.append(f"attention_dropout={config.attention_dropout}: ring attention (sp_backend='ring', or Ulysses x "
+                       "ring when sp_size > num_attention_heads) applies no attention dropout; set "
+                       "config.attention_dropout = 0 or use sp_size <= num_attention_heads")
     return reasons
 
 
