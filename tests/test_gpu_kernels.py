@@ -34,3 +34,26 @@ def test_cuda_kernel_matches_eager_with_documents(kernel, window):
     torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
     for g, r in zip(grads, ref_grads):
         torch.testing.assert_close(g.float() / r.abs().max(), r.float() / r.abs().max(), rtol=0, atol=3e-2)
+
+
+@pytest.mark.parametrize("window", [None, 64])
+def test_cuda_ring_block_kernel_in_row_tiles_matches_eager(window, monkeypatch):
+    """Catches the ring's explicit block kernel (every block on CUDA, in tiles of query rows) going wrong
+    on the device: one RingAttention block (no group) with packed documents against eager in fp32."""
+    import ulysses_sp.attention.ring as ring_module
+    from ulysses_sp.attention import RingAttention
+
+    monkeypatch.setattr(ring_module, "TILE_SCORES", 1 << 16)  # several row tiles at this size
+    B, n, k, S, H = 2, 8, 2, 512, 64
+    torch.manual_seed(0)
+    q, kk, v = (torch.randn(B, h, S, H, device="cuda", requires_grad=True) for h in (n, k, k))
+    pos = torch.cat([torch.arange(200), torch.arange(312)]).expand(B, S).cuda()
+    mask = GlobalMask.from_position_ids(pos)
+    out = RingAttention(None)(q, kk, v, mask, sliding_window=window)
+    grads = torch.autograd.grad(out.square().sum(), (q, kk, v))
+    ref = get_kernel("eager")(q, kk, v, mask, sliding_window=window)
+    ref_grads = torch.autograd.grad(ref.square().sum(), (q, kk, v))
+    # fp32 on both sides (TF32 matmuls may be on): 1e-3 relative of O(1) values
+    torch.testing.assert_close(out, ref, rtol=1e-3, atol=1e-3)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g / r.abs().max(), r / r.abs().max(), rtol=0, atol=1e-3)
