@@ -112,8 +112,9 @@ class UlyssesSPConfig:
                              f"set sp_head_chunks=1 with sp_backend={self.sp_backend!r}.")
         _positive_int("sp_ring_size", self.sp_ring_size, allow_none=True)
         if self.sp_ring_size is not None and self.sp_size % self.sp_ring_size:
+            divisors = [d for d in range(1, self.sp_size + 1) if self.sp_size % d == 0]
             raise ValueError(f"sp_ring_size={self.sp_ring_size} does not divide sp_size={self.sp_size}; use a divisor "
-                             f"of sp_size ({[d for d in range(1, self.sp_size + 1) if self.sp_size % d == 0]}) or None.")
+                             f"of sp_size ({divisors}) or None.")
         if self.sp_ring_size not in (None, 1) and self.sp_backend != "ulysses":
             raise ValueError(f"sp_ring_size={self.sp_ring_size} applies to sp_backend='ulysses' only (Ulysses x ring); "
                              f"sp_backend={self.sp_backend!r} already is a ring over all sp_size ranks: leave it None.")

@@ -280,7 +280,8 @@ def _relayout(ring: _Ring, tensors: tuple[torch.Tensor, ...], dim: int, to_zigza
         if dest == r:
             received[their_half] = packed[h]
         else:  # the tag is the receiver's half, so two chunks between one pair of ranks cannot swap
-            ops.append(dist.P2POp(dist.isend, packed[h], dist.get_global_rank(ring.group, dest), ring.group, their_half))
+            peer = dist.get_global_rank(ring.group, dest)
+            ops.append(dist.P2POp(dist.isend, packed[h], peer, ring.group, their_half))
     for h, src in recvs:
         if src != r:
             received[h] = torch.empty_like(packed[h])
