@@ -5,7 +5,9 @@ rows; interleaved sections) models, run on text batches whose image placeholder 
 genuinely 3-D positions ``get_rope_index`` computes on the FULL batch (temporal / height / width
 rows differ on image tokens). Reference: the unmodified model in one process on the global batch
 (packed rows: each document on its own, the flash-attention varlen semantics, as in
-``test_hf_parity.py``). Vision towers are built but not run: image batches are refused under SP.
+``test_hf_parity.py``). Image batches with real pixels (``check_images``): the vision tower runs on
+every rank, the merged embeddings are sliced before the text tower, and every gradient (vision tower
+included) equals one process's.
 """
 
 import pytest
@@ -47,10 +49,12 @@ def tiny_vl_config(family: str):
     raise KeyError(family)
 
 
-def tiny_vl_model(family: str, seed: int = 0):
+def tiny_vl_model(family: str, seed: int = 0, deepstack: bool = False):
     torch.manual_seed(seed)
-    model = tf.AutoModelForImageTextToText.from_config(tiny_vl_config(family), attn_implementation="sdpa",
-                                                       dtype=torch.float32)
+    config = tiny_vl_config(family)
+    if deepstack and family == "qwen3_vl":  # features of vision layer 0 also added in the first text layers
+        config.vision_config.deepstack_visual_indexes = [0]
+    model = tf.AutoModelForImageTextToText.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
     with torch.no_grad():  # larger than the default init so attention patterns (and positions) matter
         for p in model.parameters():
             if p.dim() == 2:
@@ -165,6 +169,47 @@ def check(family, kind, mesh):
     assert num_checked >= 2 * 9 + 3  # every decoder / embedding / norm / lm_head parameter
 
 
+def image_batch(model, seed: int = 3) -> dict:
+    """The 'padding' batch with real pixels: 6 patches of 3 x 1 x 2 x 2 values per image (grids 1x2x3,
+    1x3x2, merge 1: one image token per patch), so the vision tower runs and its features replace the
+    placeholder embeddings."""
+    batch = vl_batch(model, "padding")
+    batch["pixel_values"] = torch.randn(12, 12, generator=torch.Generator().manual_seed(seed))
+    return batch
+
+
+def check_images(family, mesh):
+    """Image batch under SP (vision tower on every rank, merged embeddings sliced) against one process."""
+    ref_model = tiny_vl_model(family, deepstack=True)
+    batch = image_batch(ref_model)
+    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids", "pixel_values", "image_grid_thw")}
+    ref_loss = ref_model(**inputs, labels=batch["labels"], use_cache=False).loss
+    ref_loss.backward()
+    model = tiny_vl_model(family, deepstack=True)
+    with UlyssesSP(model, mesh, UlyssesSPConfig(sp_size=mesh.sp_size)) as sp:
+        shard = sp.shard(batch)
+        loss = sp.forward_loss(model, shard, global_num_items(shard["shift_labels"], mesh.sp_group))
+        loss.backward()
+    where = f"{family}/images/P={mesh.sp_size}"
+    # fp32, summation order only (as check()); features merged on the wrong tokens or a vision-tower
+    # gradient counted on every rank give > 1e-2
+    torch.testing.assert_close(reported_loss(loss.detach(), mesh.sp_size, mesh.sp_group), ref_loss.detach(),
+                               rtol=1e-5, atol=1e-5, msg=lambda m: f"{where} loss: {m}")
+    num_visual = 0
+    for (name, p), (_, r) in zip(model.named_parameters(), ref_model.named_parameters()):
+        assert (p.grad is None) == (r.grad is None), f"{where}: {name}"
+        if r.grad is None:
+            continue
+        dist.all_reduce(p.grad, group=mesh.sp_group)
+        scale = r.grad.abs().max().clamp_min(1e-8)
+        torch.testing.assert_close(p.grad / mesh.sp_size / scale, r.grad / scale, rtol=0, atol=1e-4,
+                                   msg=lambda m, name=name: f"{where} grad {name}: {m}")
+        num_visual += name.startswith("model.visual")
+    assert num_visual > 0  # the vision tower was trained through the image tokens
+
+
+IMAGE_PLAN = {2: ["qwen2_vl", "qwen3_vl"], 3: ["qwen3_vl"]}
+
 PLAN = {
     1: [("qwen2_vl", "padding"), ("qwen3_vl", "packed")],
     2: [(f, k) for f in ("qwen2_vl", "qwen3_vl") for k in ("padding", "packed")],
@@ -176,12 +221,8 @@ def _worker(rank, world):
     mesh = SPMesh.from_world(world)
     for family, kind in PLAN[world]:
         check(family, kind, mesh)
-    if world == 2:  # an image batch reaching sp.shard on every rank: refused, never silently wrong
-        model = tiny_vl_model("qwen2_vl")
-        batch = vl_batch(model, "padding")
-        with UlyssesSP(model, mesh) as sp:
-            with pytest.raises(ValueError, match="pixel_values.*sp_size=1"):
-                sp.shard({**batch, "pixel_values": torch.zeros(12, 12)})
+    for family in IMAGE_PLAN.get(world, []):
+        check_images(family, mesh)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
@@ -225,7 +266,7 @@ def test_image_batches_and_missing_rope_index_are_refused_with_the_fix():
     model = tiny_vl_model("qwen2_vl")
     batch = vl_batch(model, "padding")
     for key in ("pixel_values", "pixel_values_videos"):
-        with pytest.raises(ValueError, match=f"{key}.*text tower.*sp_size=1"):
+        with pytest.raises(ValueError, match=f"{key}.*text tower here.*UlyssesSP.shard"):
             shard_batch({**batch, key: torch.zeros(12, 12)}, 0, 2)
     no_positions = {k: v for k, v in batch.items() if k != "position_ids"}
     with pytest.raises(ValueError, match=r"image_grid_thw.*FULL sequence.*get_rope_index"):

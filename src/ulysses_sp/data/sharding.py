@@ -30,9 +30,11 @@ padded and sliced along their LAST dim, all rows alike; documents come from the 
     R = 3   a document starts where all three rows restart at 0 (vision tokens repeat and jump
             inside a row, so the 1-D rule would split images); give R = 4 to be explicit
 
-Batches with images or videos (``pixel_values``...) are refused: the model would merge ALL image
-features into the image tokens of its local shard. Their rope index needs the full sequence too:
-compute ``position_ids`` with the model's ``get_rope_index`` on the FULL batch before sharding.
+Batches with images or videos (``pixel_values``...) are refused here: the model would merge ALL image
+features into the image tokens of its local shard. ``UlyssesSP.shard`` handles them (the model gets
+the full tokens and pixels, and its language model keeps this rank's slice of the merged
+embeddings). Their rope index needs the full sequence too: compute ``position_ids`` with the
+model's ``get_rope_index`` on the FULL batch before sharding.
 """
 
 from __future__ import annotations
@@ -58,6 +60,8 @@ _MEDIA_KEYS = ("pixel_values", "pixel_values_videos", "mm_encoder_outputs", "inp
 _GRID_KEYS = ("image_grid_thw", "video_grid_thw")
 """With them and no ``position_ids``, a VL model would compute its rope index on the local shard."""
 _MROPE_ROWS = (3, 4)
+VISION_KEYS = (*_MEDIA_KEYS, *_GRID_KEYS, "second_per_grid_ts")
+"""The vision inputs of a VLM batch (``UlyssesSP.shard`` keeps them, with the full tokens, for the model)."""
 PACKED_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens", "seq_idx", "max_length_q", "max_length_k")
 """Batch keys of packed-attention collators; their presence means the rows are packed documents."""
 
@@ -226,9 +230,9 @@ def _check_multimodal(batch: Mapping[str, Any]) -> None:
             f"batch carries {media}: under Ulysses SP each rank holds only its shard of input_ids, while a "
             "vision-language model merges ALL image / video features into the image tokens of its input (a "
             "feature-count mismatch, or features on the wrong tokens). Sequence-parallel training here covers "
-            "the text tower: feed batches of input_ids without pixel_values / pixel_values_videos / "
-            "mm_encoder_outputs / inputs_embeds (3-D position_ids from get_rope_index are fine), or run "
-            "multimodal batches with sp_size=1 (data parallelism)."
+            "the text tower here: shard batches with images through UlyssesSP.shard (it keeps the full tokens "
+            "and pixels for the model, which merges the features on the whole sequence), or feed input_ids-only "
+            "batches (3-D position_ids from get_rope_index are fine)."
         )
     grids = [k for k in _GRID_KEYS if batch.get(k) is not None]
     if grids and batch.get("position_ids") is None:

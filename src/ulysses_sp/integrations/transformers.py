@@ -35,6 +35,7 @@ from ulysses_sp.attention import KERNELS, GlobalMask, SPAttention, build_attenti
 from ulysses_sp.comm.mesh import SPMesh
 from ulysses_sp.config import IGNORE_INDEX, UlyssesSPConfig, auto_ring_size
 from ulysses_sp.data import ShardedBatch, check_batch, shard_batch
+from ulysses_sp.data.sharding import VISION_KEYS
 from ulysses_sp.integrations.hf_internals import (
     current_attn_implementation, dispatches_attention, unregister_attention_function,
 )
@@ -159,6 +160,24 @@ def check_model_support(model: torch.nn.Module, config: UlyssesSPConfig) -> str:
     return kernel
 
 
+def _language_model(model: PreTrainedModel) -> torch.nn.Module | None:
+    """The text tower of a vision-language model (``model.model.language_model``), else None."""
+    inner = getattr(model, "model", None)
+    language_model = getattr(inner, "language_model", None) if inner is not None else None
+    return language_model if isinstance(language_model, torch.nn.Module) else None
+
+
+def _tower_implementations(model: PreTrainedModel) -> dict[str, str]:
+    """``{sub-config name: attention implementation}`` of a multimodal model's non-text towers."""
+    config, text = model.config, model.config.get_text_config()
+    towers = {}
+    for name in getattr(config, "sub_configs", None) or {}:
+        sub = getattr(config, name, None)
+        if sub is not None and sub is not text and getattr(sub, "_attn_implementation", None) is not None:
+            towers[name] = sub._attn_implementation
+    return towers
+
+
 def _uses_mrope(model: PreTrainedModel) -> bool:
     """Whether the text decoder applies multimodal rotary embeddings (``mrope_section`` in its rope config)."""
     config = model.config.get_text_config()
@@ -232,6 +251,7 @@ class UlyssesSP:
         self._wrappers: list[Callable[[AttentionFunction], AttentionFunction]] = []
         self._saved: tuple[str, bool] | None = None
         self._mask_hook: Any = None
+        self._vision_hook: Any = None
         self._call_mask: GlobalMask | None = None  # ulysses_mask of the model call in progress
 
     # registration -------------------------------------------------------------------------
@@ -258,11 +278,18 @@ class UlyssesSP:
             function = wrapper(function)
         AttentionInterface.register(self.key, function)
         self._mask_hook = self.base.register_forward_pre_hook(self._keep_call_mask, with_kwargs=True)
+        language_model = _language_model(self.base)
+        if language_model is not None and self.mesh.sp_size > 1:  # VLM: merged embeddings of the full sequence
+            self._vision_hook = language_model.register_forward_pre_hook(self._shard_merged_embeddings,
+                                                                         with_kwargs=True)
         # VL configs built in code keep use_cache only on the text config, which the text tower reads
         caches = [c for c in {id(c): c for c in (self.base.config, self.base.config.get_text_config())}.values()
                   if hasattr(c, "use_cache")]
         self._saved = (current_attn_implementation(self.base), [(c, c.use_cache) for c in caches])
+        towers = _tower_implementations(self.base)  # vision / audio towers keep their own kernel (full inputs)
         self.base.set_attn_implementation(self.key)
+        if towers:
+            self.base.set_attn_implementation(towers)
         for c in caches:
             c.use_cache = False
         if self.config.tiled_mlp_tokens is not None:
@@ -289,7 +316,36 @@ class UlyssesSP:
         if self._mask_hook is not None:
             self._mask_hook.remove()
             self._mask_hook, self._call_mask = None, None
+        if self._vision_hook is not None:
+            self._vision_hook.remove()
+            self._vision_hook = None
         self._saved = None
+
+    def _shard_merged_embeddings(self, module: torch.nn.Module, args: Any, kwargs: dict[str, Any]) -> Any:
+        """Pre-hook of a VLM's language model: keep my slice of the full-sequence merged embeddings.
+
+        With images (``UlyssesSP.shard`` of a batch with ``pixel_values``) every rank runs the vision
+        tower on all images and merges the features into the embeddings of the FULL sequence; the
+        text tower then gets this rank's ``s`` tokens of them (and of Qwen3-VL's deepstack
+        features). Each image token lives in one rank's slice, so the vision tower's gradients,
+        summed over the SP group by DDP, are those of one process. Text-only batches arrive sharded.
+        """
+        embeds = kwargs.get("inputs_embeds")
+        mask = self._call_mask
+        if embeds is None or mask is None or embeds.shape[1] != mask.seq_len:
+            return None
+        s = mask.seq_len // self.mesh.sp_size
+        a, b = self.mesh.sp_rank * s, (self.mesh.sp_rank + 1) * s
+        kwargs = {**kwargs, "inputs_embeds": embeds[:, a:b]}
+        visual = kwargs.get("visual_pos_masks")
+        if visual is not None:  # deepstack features: rows in the order of the full mask's True positions
+            mine = torch.zeros_like(visual)
+            mine[:, a:b] = visual[:, a:b]
+            keep = mine[visual]
+            kwargs["visual_pos_masks"] = visual[:, a:b]
+            if kwargs.get("deepstack_visual_embeds") is not None:
+                kwargs["deepstack_visual_embeds"] = [e[keep] for e in kwargs["deepstack_visual_embeds"]]
+        return args, kwargs
 
     def _keep_call_mask(self, module: torch.nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
         """Forward pre-hook: the global mask of this ``model(...)`` call (None for a raw batch)."""
@@ -369,12 +425,42 @@ class UlyssesSP:
                 f"position_ids of shape {tuple(positions.shape)} are multimodal (MRoPE) positions, but "
                 f"{type(self.base).__name__} has no mrope_section in its rope config; give (batch, seq) position_ids."
             )
-        return shard_batch(batch, self.mesh.sp_rank, self.mesh.sp_size, ignore_index=ignore_index)
+        media = {k: v for k, v in batch.items() if k in VISION_KEYS and v is not None}
+        if media.get("pixel_values") is None and media.get("pixel_values_videos") is None:
+            return shard_batch(batch, self.mesh.sp_rank, self.mesh.sp_size, ignore_index=ignore_index)
+        return self._shard_with_images(batch, media, ignore_index)
+
+    def _shard_with_images(self, batch: Mapping[str, Any], media: dict[str, Any], ignore_index: int) -> ShardedBatch:
+        """A VLM batch with images: text fields sharded, the full padded tokens and pixels kept for the
+        model (it merges the features on the whole sequence; ``_shard_merged_embeddings`` slices)."""
+        if _language_model(self.base) is None:
+            raise ValueError(f"the batch carries {sorted(media)} but {type(self.base).__name__} has no vision tower "
+                             "(model.model.language_model); feed input_ids-only batches.")
+        if batch.get("position_ids") is None:
+            raise ValueError("a batch with images needs position_ids computed on the FULL batch (the multimodal rope "
+                             "index), e.g. model.model.get_rope_index(input_ids, ..., image_grid_thw=...)[0].")
+        if "inputs_embeds" in media or "mm_encoder_outputs" in media:
+            raise ValueError("pass pixel inputs, not precomputed inputs_embeds / mm_encoder_outputs, under SP.")
+        text = {k: v for k, v in batch.items() if k not in VISION_KEYS}
+        shard = shard_batch(text, self.mesh.sp_rank, self.mesh.sp_size, ignore_index=ignore_index)
+        ids = batch["input_ids"]
+        pad = getattr(self.base.config.get_text_config(), "pad_token_id", None) or 0
+        num_pad = -ids.shape[1] % self.mesh.sp_size  # never an image token: the model counts them
+        full = torch.nn.functional.pad(ids, (0, num_pad), value=pad)
+        shard["vision_inputs"] = {"input_ids": full, **{k: v for k, v in media.items() if k != "input_ids"}}
+        return shard
 
     @staticmethod
     def model_inputs(batch: Mapping[str, Any]) -> dict[str, Any]:
-        """The keyword arguments for ``model(...)``: tokens, global positions and the global mask."""
-        return {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], "ulysses_mask": batch["ulysses_mask"]}
+        """The keyword arguments for ``model(...)``: tokens, global positions and the global mask.
+
+        A batch with images (``vision_inputs`` from :meth:`shard`) passes the FULL padded
+        ``input_ids`` with the pixel inputs instead of the shard's tokens: the model merges the image
+        features on the whole sequence and its language model keeps this rank's slice.
+        """
+        inputs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"],
+                  "ulysses_mask": batch["ulysses_mask"]}
+        return {**inputs, **batch.get("vision_inputs", {})}
 
     def loss(
         self, logits_BsV: torch.Tensor, batch: Mapping[str, Any], num_items_in_batch: int | torch.Tensor,
