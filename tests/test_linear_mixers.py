@@ -35,6 +35,9 @@ MAMBA2 = dict(mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=
 def hybrid_config(family: str):
     if family == "qwen3_next":  # fused qkvz projection grouped by key head; dense MLPs (mlp_only_layers)
         return tf.Qwen3NextConfig(**COMMON, **GATED_DELTA, mlp_only_layers=[0, 1], num_experts=2)
+    if family == "qwen3_next_8":  # for P=8 > 4 attention heads: 8 value heads, 1 kv head (Ulysses x ring 4 x 2)
+        delta = {**GATED_DELTA, "linear_num_value_heads": 8, "num_key_value_heads": 1}
+        return tf.Qwen3NextConfig(**COMMON, **delta, mlp_only_layers=[0, 1], num_experts=2)
     if family == "qwen3_5":  # separate q|k|v, z, b, a projections
         return tf.Qwen3_5TextConfig(**COMMON, **GATED_DELTA)
     if family == "bamba":
@@ -166,6 +169,8 @@ PLAN = {
     2: [(f, k) for f in FAMILIES for k in ("plain", "padding", "packed", "odd")],
     3: [(f, k) for f in FAMILIES for k in ("padding", "packed", "odd")],  # uneven: 8 SSM heads, irregular key heads
     4: [(f, k) for f in FAMILIES for k in ("padding", "packed")],  # every family with K or G = 2 < P
+    # P=8 > 4 attention heads: mixers split 8 value / SSM heads, attention runs Ulysses x ring (4 x 2)
+    8: [(f, k) for f in ("qwen3_next_8", "bamba", "nemotron_h") for k in ("padding", "packed")],
 }
 
 
@@ -179,7 +184,7 @@ def _worker(rank, world):
             check(family, "padding", mesh, checkpointing=True)
 
 
-@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
 def test_hybrid_loss_and_every_gradient_match_one_process(world):
     """Catches a linear-attention / SSM layer that mixes only its shard, a wrong head or key-head /
     group split (uneven value / SSM heads at P=3/4, fewer key heads / groups than ranks), a conv

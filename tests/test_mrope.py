@@ -208,12 +208,14 @@ def check_images(family, mesh):
     assert num_visual > 0  # the vision tower was trained through the image tokens
 
 
-IMAGE_PLAN = {2: ["qwen2_vl", "qwen3_vl"], 3: ["qwen3_vl"]}
+IMAGE_PLAN = {2: ["qwen2_vl", "qwen3_vl"], 3: ["qwen3_vl"], 8: ["qwen3_vl"]}
 
 PLAN = {
     1: [("qwen2_vl", "padding"), ("qwen3_vl", "packed")],
     2: [(f, k) for f in ("qwen2_vl", "qwen3_vl") for k in ("padding", "packed")],
     3: [(f, k) for f in ("qwen2_vl", "qwen3_vl") for k in ("padding", "packed")],
+    4: [("qwen2_vl", "packed"), ("qwen3_vl", "padding")],
+    8: [("qwen2_vl", "padding"), ("qwen3_vl", "packed")],  # P=8 > 4 heads: Ulysses x ring (4 x 2)
 }
 
 
@@ -225,7 +227,7 @@ def _worker(rank, world):
         check_images(family, mesh)
 
 
-@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
 def test_mrope_loss_and_every_gradient_match_one_process(world):
     """Catches MRoPE text towers trained differently under SP than in one process: 3-D positions
     sliced along the wrong dim or not padded with S, documents of packed rows (from the text row) or
