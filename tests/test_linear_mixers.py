@@ -213,3 +213,19 @@ def test_check_model_support_accepts_supported_hybrids_and_refuses_others():
     few_heads.linear_num_value_heads = 2
     with pytest.raises(ValueError, match="sp_size 4 > 2 value heads of Qwen3NextGatedDeltaNet"):
         check_model_support(tf.AutoModelForCausalLM.from_config(few_heads), UlyssesSPConfig(sp_size=4))
+
+
+def test_mixer_calls_without_the_global_mask_or_with_a_cache_are_refused():
+    """Bug caught: a mixer called without the global mask under SP (a raw batch) mixing only its shard,
+    or a generation cache reaching it (its state would cover one shard). One process without the mask
+    runs the layer's own forward."""
+    from ulysses_sp.attention import GlobalMask
+    from ulysses_sp.mixers.sequence import MixerContext, runs_own_forward
+
+    layer = torch.nn.Identity()
+    assert runs_own_forward(layer, MixerContext(None, 0, 1), None, None, "state-space")
+    with pytest.raises(ValueError, match="without `ulysses_mask`"):
+        runs_own_forward(layer, MixerContext(None, 0, 2), None, None, "state-space")
+    with pytest.raises(ValueError, match="cache was passed to a state-space layer"):
+        runs_own_forward(layer, MixerContext(None, 0, 2), GlobalMask(8), object(), "state-space")
+    assert not runs_own_forward(layer, MixerContext(None, 0, 2), GlobalMask(8), None, "state-space")

@@ -45,7 +45,9 @@ from ulysses_sp.attention.masks import GlobalMask
 from ulysses_sp.comm.all_to_all import head_to_seq_out
 from ulysses_sp.comm.layout import HeadPlan
 from ulysses_sp.mixers.exchange import seq_to_head_parts
-from ulysses_sp.mixers.sequence import MixerContext, by_document, depthwise_causal_conv, document_cuts, zero_padding
+from ulysses_sp.mixers.sequence import (
+    MixerContext, by_document, depthwise_causal_conv, document_cuts, runs_own_forward, zero_padding,
+)
 
 GATED_DELTA_CLASSES = frozenset({"Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet"})
 
@@ -85,16 +87,8 @@ def gated_delta_forward(
     attention_mask: torch.Tensor | None = None, ulysses_mask: GlobalMask | None = None, **kwargs: Any,
 ) -> torch.Tensor:
     """The layer's forward on my shard ``(B, s, D) -> (B, s, D)`` (see the module docstring)."""
-    if ulysses_mask is None:
-        if ctx.size > 1:
-            raise ValueError(
-                f"{type(module).__name__} was called without `ulysses_mask`: feed batches through "
-                "UlyssesSP.shard(batch) and call model(**sp.model_inputs(batch))."
-            )
+    if runs_own_forward(module, ctx, ulysses_mask, cache, "linear-attention"):
         return type(module).forward(module, hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
-    if cache is not None:
-        raise ValueError("a cache was passed to a linear-attention layer under Ulysses SP: call sp.unregister() "
-                         "before generate(), or pass use_cache=False.")
     kernels = sys.modules[type(module).__module__]  # the model's own kernels (hub kernel or torch fallback)
     B, s, _ = hidden_states.shape
     plan, rank = head_plan(module, ctx.size), ctx.rank

@@ -40,7 +40,9 @@ from ulysses_sp.attention.masks import GlobalMask
 from ulysses_sp.comm.all_to_all import head_to_seq_out
 from ulysses_sp.comm.layout import HeadPlan
 from ulysses_sp.mixers.exchange import seq_to_head_parts
-from ulysses_sp.mixers.sequence import MixerContext, by_document, depthwise_causal_conv, document_cuts, zero_padding
+from ulysses_sp.mixers.sequence import (
+    MixerContext, by_document, depthwise_causal_conv, document_cuts, runs_own_forward, zero_padding,
+)
 
 MAMBA2_CLASSES = frozenset({"BambaMixer", "GraniteMoeHybridMambaLayer", "NemotronHMamba2Mixer"})
 
@@ -68,16 +70,8 @@ def mamba2_forward(
     attention_mask: torch.Tensor | None = None, ulysses_mask: GlobalMask | None = None, **kwargs: Any,
 ) -> torch.Tensor:
     """The mixer's forward on my shard ``(B, s, D) -> (B, s, D)`` (see the module docstring)."""
-    if ulysses_mask is None:
-        if ctx.size > 1:
-            raise ValueError(
-                f"{type(module).__name__} was called without `ulysses_mask`: feed batches through "
-                "UlyssesSP.shard(batch) and call model(**sp.model_inputs(batch))."
-            )
+    if runs_own_forward(module, ctx, ulysses_mask, cache, "state-space"):
         return type(module).forward(module, hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
-    if cache is not None:
-        raise ValueError("a cache was passed to a state-space layer under Ulysses SP: call sp.unregister() "
-                         "before generate(), or pass use_cache=False.")
     kernels = sys.modules[type(module).__module__]  # the model's own kernels (hub kernel or torch fallback)
     B, s, _ = hidden_states.shape
     dtype = hidden_states.dtype

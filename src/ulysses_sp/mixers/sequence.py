@@ -34,6 +34,26 @@ class MixerContext:
         return mask.valid[:, self.rank * s : (self.rank + 1) * s]
 
 
+def runs_own_forward(module: torch.nn.Module, ctx: MixerContext, ulysses_mask: GlobalMask | None, cache: object,
+                     layer: str) -> bool:
+    """Whether a mixer call is a plain one-process call (no global mask): its class forward then runs.
+
+    Raises ``ValueError`` for a call without the global mask under SP (it would mix only its shard)
+    and for a cache (generation is not sequence-parallel). ``layer`` names the kind in the message.
+    """
+    if ulysses_mask is None:
+        if ctx.size > 1:
+            raise ValueError(
+                f"{type(module).__name__} was called without `ulysses_mask`: feed batches through "
+                "UlyssesSP.shard(batch) and call model(**sp.model_inputs(batch))."
+            )
+        return True
+    if cache is not None:
+        raise ValueError(f"a cache was passed to a {layer} layer under Ulysses SP: call sp.unregister() "
+                         "before generate(), or pass use_cache=False.")
+    return False
+
+
 def zero_padding(x_BLD: torch.Tensor, valid_BL: torch.Tensor | None) -> torch.Tensor:
     """transformers' ``apply_mask_to_padding_states``: padding tokens' features set to 0."""
     if valid_BL is None:
