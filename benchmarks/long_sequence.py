@@ -75,7 +75,10 @@ def _model():
     torch.manual_seed(0)
     model = tf.LlamaForCausalLM(tf.LlamaConfig(**MODEL))
     model.config._attn_implementation = "sdpa"
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:  # earlier 5.x (e.g. 5.17 on the GPU machine) has only the older name
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model.train()
 
 

@@ -81,7 +81,10 @@ def _build(device: str, fsdp2: bool = False):
     torch.manual_seed(0)
     model = tf.LlamaForCausalLM(tf.LlamaConfig(**MODEL)).to(device)
     model.config._attn_implementation = "sdpa"
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:  # earlier 5.x (e.g. 5.17 on the GPU machine) has only the older name
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if fsdp2:  # the units of tests/test_sharded_memory.py, plus the embeddings as their own unit
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
