@@ -57,3 +57,25 @@ def test_cuda_ring_block_kernel_in_row_tiles_matches_eager(window, monkeypatch):
     torch.testing.assert_close(out, ref, rtol=1e-3, atol=1e-3)
     for g, r in zip(grads, ref_grads):
         torch.testing.assert_close(g / r.abs().max(), r / r.abs().max(), rtol=0, atol=1e-3)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_cuda_kernel_materialises_no_scores(kernel):
+    """Catches a kernel adapter that builds an S x S tensor on the GPU (e.g. flex_attention run
+    uncompiled, whose reference path materialises the (B, n, S, S) scores, or a dense mask)."""
+    B, n, k, S, H = 1, 4, 2, 16384, 64
+    torch.manual_seed(0)
+    q, kk, v = (torch.randn(B, h, S, H, device="cuda", dtype=torch.bfloat16, requires_grad=True) for h in (n, k, k))
+    pos = torch.cat([torch.arange(S // 4), torch.arange(S - S // 4)]).expand(B, S).cuda()
+    mask = GlobalMask.from_position_ids(pos)
+    run = get_kernel(kernel)
+    run(q, kk, v, mask).float().sum().backward()  # warm-up: compile, workspaces, block-mask cache
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    run(q, kk, v, mask).float().sum().backward()
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    # one (S, S) bf16 matrix is 512 MiB and the scores of all heads 2 GiB; q/k/v/o and their
+    # gradients are ~50 MiB: 256 MiB leaves room for kernel workspaces but not for any S x S tensor
+    assert extra < 256 * 2**20, f"{kernel}: {extra / 2**20:.0f} MiB above the inputs at S={S}"

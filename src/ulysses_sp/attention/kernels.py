@@ -130,14 +130,31 @@ def eager(q, k, v, mask: GlobalMask, *, scaling=None, sliding_window=None, softc
     return torch.matmul(probs, v).transpose(1, 2)
 
 
+_COMPILED_FLEX: Callable | None = None
+
+
+def _flex_function(device: torch.device) -> Callable:
+    """flex_attention compiled on CUDA (one compiled function for the process; automatic dynamic
+    shapes after the second sequence length). Uncompiled, flex runs an unfused reference that
+    materialises the ``(B, n, S, S)`` scores: fine for CPU's forward-only use, never on a GPU."""
+    from torch.nn.attention.flex_attention import flex_attention as flex
+
+    global _COMPILED_FLEX
+    if device.type != "cuda":
+        return flex
+    if _COMPILED_FLEX is None:
+        _COMPILED_FLEX = torch.compile(flex)
+    return _COMPILED_FLEX
+
+
 def flex_attention(q, k, v, mask: GlobalMask, *, scaling=None, sliding_window=None, softcap=None, dropout=0.0):
     """``torch.nn.attention.flex_attention`` with a block mask (no S x S tensor). Forward-only on CPU.
 
     The block mask comes from :meth:`GlobalMask.flex_blocks` (128 query rows at a time), not from
-    ``create_block_mask``, which evaluates ``mask_mod`` on a dense ``(B, 1, S, S)`` grid.
+    ``create_block_mask``, which evaluates ``mask_mod`` on a dense ``(B, 1, S, S)`` grid. On CUDA
+    the kernel is ``torch.compile``-d (the fused Triton kernel; the first call per shape compiles).
     """
     from torch.nn.attention.flex_attention import BlockMask
-    from torch.nn.attention.flex_attention import flex_attention as flex
 
     if dropout:
         raise ValueError("flex_attention has no attention dropout; set attention_dropout=0.")
@@ -165,7 +182,7 @@ def flex_attention(q, k, v, mask: GlobalMask, *, scaling=None, sliding_window=No
     if softcap is not None:
         def score_mod(score, b, h, qi, ki):
             return torch.tanh(score / softcap) * softcap
-    o = flex(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scaling, enable_gqa=q.shape[1] != k.shape[1])
+    o = _flex_function(q.device)(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scaling, enable_gqa=q.shape[1] != k.shape[1])
     return o.transpose(1, 2)
 
 
