@@ -36,7 +36,7 @@ ranks' weight shards of the units in use) and the unsharded gradients before the
 reduce-scatter. ``benchmarks/long_sequence.py --ladder-budget-mib`` runs this mode.
 
     .venv/bin/python benchmarks/memory_ablation.py --out benchmarks/results/memory_ablation_cpu.md
-    .venv/bin/python benchmarks/memory_ablation.py --device cuda --budget-mib 4096   # needs 2 GPUs for P=2
+    .venv/bin/python benchmarks/memory_ablation.py --device cuda --budget-mib 4096   # P=2 ranks share one GPU over gloo if need be
     .venv/bin/python benchmarks/memory_ablation.py --fsdp2 --budget-mib 96 --tolerance 0.1
 """
 
@@ -116,8 +116,6 @@ def _step(model, rung: str, seq_len: int, device: str) -> None:
 
 def trial_worker(rank: int, world: int, rung: str, seq_len: int, device: str, out_dir: str, fsdp2: bool = False) -> None:
     """One trial on one rank: build, warm up, measure one step, write ``rank<r>.json``."""
-    if device == "cuda":
-        torch.cuda.set_device(rank)
     model = _build(device, fsdp2 and rung != "plain")
     _step(model, rung, 128, device)  # warm-up: lazy inits, thread pools
     for p in model.parameters():
@@ -143,11 +141,14 @@ def trial_worker(rank: int, world: int, rung: str, seq_len: int, device: str, ou
 
 def measure(rung: str, seq_len: int, device: str, fsdp2: bool = False) -> dict:
     """Run one trial in fresh processes; the largest per-rank peak and the step time."""
-    from ulysses_sp import spawn
+    from ulysses_sp import local_backend, spawn
 
     world = FEATURES[rung][0]
+    backend = local_backend(world, device)  # gloo on CUDA: ranks share a GPU; each rank's own CUDA peak counts
+    if fsdp2 and device == "cuda" and backend == "gloo" and world > 1:
+        raise SystemExit(f"--fsdp2 on CUDA needs a GPU per rank (NCCL); {rung} has P={world}: drop --fsdp2 or add GPUs.")
     with tempfile.TemporaryDirectory() as out_dir:
-        spawn(trial_worker, world, rung, seq_len, device, out_dir, fsdp2, backend="nccl" if device == "cuda" else "gloo",
+        spawn(trial_worker, world, rung, seq_len, device, out_dir, fsdp2, backend=backend, device_type=device,
               timeout_s=900, preload=["transformers", "transformers.models.llama.modeling_llama", "ulysses_sp"])
         results = [json.load(open(os.path.join(out_dir, f"rank{r}.json"))) for r in range(world)]
     return {"peak": max(r["peak"] for r in results), "seconds": max(r["seconds"] for r in results)}

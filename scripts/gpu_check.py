@@ -8,14 +8,19 @@ the JSON is rewritten after each step, so an interrupted run keeps what it measu
 
     1. environment   torch / CUDA / GPU names, bf16 support, flash-attn and DeepSpeed installed?
     2. gpu_tests     the GPU-marked tests (``pytest -m gpu tests/test_gpu_kernels.py``: flash-attention
-                     varlen and flex kernels against eager), counts and failures from a JUnit report
-    3. bench         ``ulysses-sp bench`` in bf16 with flash_attention_2 where installed (else sdpa):
+                     varlen and flex kernels against eager, no S x S tensor), counts and failures
+                     from a JUnit report
+    3. cuda_check    ``ulysses-sp check --device cuda`` on a small Llama config: SP loss and every
+                     gradient against one process on the GPU (sdpa with packed documents and with
+                     padding, compiled flex_attention, bf16, P=4 with K=2 < P); with fewer GPUs than P
+                     the ranks share them over gloo, which checks the CUDA path, not NCCL
+    4. bench         ``ulysses-sp bench`` in bf16 with flash_attention_2 where installed (else sdpa):
                      one process, Ulysses and head-chunked Ulysses (+ DeepSpeed with >= 2 GPUs) at
                      the P the visible GPUs allow, plus one attention layer's peak memory with and
-                     without head chunks; the records as the bench writes them
-    4. memory_ablation
+                     without head chunks at P=2 (ranks share a GPU where there is one); the records
+    5. memory_ablation
                      ``benchmarks/memory_ablation.py --device cuda``: the longest trainable sequence
-                     per rung in CUDA memory (rungs with P = 2 need 2 GPUs); the table rows
+                     per rung in CUDA memory (P=2 rungs share one GPU over gloo if needed); the rows
 
 ``--dry-run`` runs the same steps on CPU with tiny shapes (the GPU tests are then skipped), so the
 test suite exercises this script and it cannot rot. Exit code 0 when every step passed.
@@ -36,6 +41,8 @@ import time
 import xml.etree.ElementTree as ET
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH_MODEL = ["--layers", "4", "--hidden", "2048", "--intermediate", "5632", "--heads", "16", "--kv-heads", "8",
+               "--head-dim", "128", "--vocab", "32000"]  # Llama-1B-like layers: GPU steps of tens of ms, not launch-bound
 TINY_MODEL = ["--layers", "2", "--hidden", "32", "--intermediate", "48", "--heads", "4", "--kv-heads", "2",
               "--head-dim", "8", "--vocab", "64"]
 
@@ -88,6 +95,40 @@ def gpu_tests(tmp: str, dry_run: bool, timeout_s: float) -> dict:
     return step
 
 
+CHECK_MODEL = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
+               "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2,
+               "head_dim": 32, "vocab_size": 1024, "max_position_embeddings": 4096, "tie_word_embeddings": False}
+
+
+def cuda_check(tmp: str, dry_run: bool, timeout_s: float) -> dict:
+    """``ulysses-sp check`` runs on the GPU: exit 0 (MATCH) for every case, the RESULT lines."""
+    config = os.path.join(tmp, "check_llama.json")
+    with open(config, "w") as f:
+        json.dump(CHECK_MODEL, f)
+    device, seq = ("cpu", "64") if dry_run else ("cuda", "1024")
+    base = ["--model", config, "--random-init", "--device", device, "--seq-len", seq]
+    cases = {"sdpa_packed_p2": ["--sp-size", "2", "--packed", "--attn-implementation", "sdpa"],
+             "sdpa_padding_p2": ["--sp-size", "2", "--padding", "--attn-implementation", "sdpa"],
+             "bf16_packed_p2": ["--sp-size", "2", "--packed", "--dtype", "bfloat16", "--attn-implementation", "sdpa"],
+             "sdpa_packed_p4": ["--sp-size", "4", "--packed", "--attn-implementation", "sdpa"]}
+    if dry_run:  # the script's own check: two cases keep it quick on CPU
+        cases = dict(list(cases.items())[:2])
+    else:  # flex_attention has no CPU backward
+        cases["flex_packed_p2"] = ["--sp-size", "2", "--packed", "--attn-implementation", "flex_attention"]
+    start, results = time.monotonic(), {}
+    for name, flags in cases.items():
+        left = timeout_s - (time.monotonic() - start)
+        if left < 5:
+            results[name] = {"status": "skipped: no time left"}
+            continue
+        r = run_step([sys.executable, "-m", "ulysses_sp.cli.main", "check", *base, *flags], left)
+        r["result"] = next((line for line in r["output_tail"].splitlines() if line.startswith("RESULT")), None)
+        results[name] = r
+    ok = all(r["status"] == "ok" and r.get("result") == "RESULT: MATCH" for r in results.values())
+    return {"status": "ok" if ok else "failed", "seconds": round(time.monotonic() - start, 1), "cases": results,
+            "output_tail": "\n".join(f"{n}: {r['status']} {r.get('result')}" for n, r in results.items())}
+
+
 def bench(tmp: str, dry_run: bool, gpus: int, timeout_s: float) -> dict:
     """``ulysses-sp bench`` in bf16 (flash_attention_2 where installed) with the attention-memory table."""
     out = os.path.join(tmp, "bench.json")
@@ -95,9 +136,10 @@ def bench(tmp: str, dry_run: bool, gpus: int, timeout_s: float) -> dict:
         flags = ["--device", "cpu", "--sp-sizes", "2", "--seq-lens", "64", *TINY_MODEL, "--repeats", "1"]
     else:
         kernel = "flash_attention_2" if importlib.util.find_spec("flash_attn") else "sdpa"
-        sp_sizes = ["2"] if gpus >= 2 else ["1"]
-        flags = ["--device", "cuda", "--dtype", "bfloat16", "--attn-implementation", kernel,
-                 "--sp-sizes", *sp_sizes, "--seq-lens", "4096", "16384", "--repeats", "3"]
+        # timing runs at P=2 need 2 GPUs (P=1 otherwise); attention memory runs at P=2 either way
+        sp_sizes = ["2"] if gpus >= 2 else ["1", "2"]
+        flags = ["--device", "cuda", "--dtype", "bfloat16", "--attn-implementation", kernel, *BENCH_MODEL,
+                 "--sp-sizes", *sp_sizes, "--seq-lens", "8192", "32768", "--repeats", "3"]
     systems = ["single", "ulysses", "ulysses_chunked"] + (["deepspeed"] if gpus >= 2 else [])
     step = run_step([sys.executable, "-m", "ulysses_sp.cli.main", "bench", *flags, "--systems", *systems,
                      "--mode", "isolated", "--attention-memory", "--head-chunks", "2", "--json", out,
@@ -112,7 +154,7 @@ def memory_ablation(tmp: str, dry_run: bool, gpus: int, timeout_s: float) -> dic
     if dry_run:
         flags = ["--device", "cpu", "--rungs", "plain", "--budget-mib", "40"]
     else:
-        rungs = ["plain", "tiled_loss"] + (["ulysses", "tiled_mlp", "offload"] if gpus >= 2 else [])
+        rungs = ["plain", "tiled_loss", "ulysses", "tiled_mlp", "offload"]  # P=2 rungs share one GPU if need be
         flags = ["--device", "cuda", "--rungs", *rungs, "--budget-mib", "512"]
     step = run_step([sys.executable, "benchmarks/memory_ablation.py", *flags, "--out", md], timeout_s)
     rows, header = [], None
@@ -146,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
                "budget_s": args.budget_s, "environment": environment(), "steps": {}}
     # step -> (function, share of the time left it may use)
     steps = {"gpu_tests": (lambda tmp, t: gpu_tests(tmp, args.dry_run, t), 0.25),
+             "cuda_check": (lambda tmp, t: cuda_check(tmp, args.dry_run, t), 0.35),
              "bench": (lambda tmp, t: bench(tmp, args.dry_run, gpus, t), 0.5),
              "memory_ablation": (lambda tmp, t: memory_ablation(tmp, args.dry_run, gpus, t), 1.0)}
     with tempfile.TemporaryDirectory() as tmp:

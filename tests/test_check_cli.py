@@ -93,3 +93,16 @@ def test_compare_treats_a_theoretically_zero_gradient_as_zero_but_not_a_wrong_on
     sp.grads["layers.0.k_proj.bias"][0] = 1e-3 * ref.grads["embed.weight"].abs().max()
     result = compare(ref, sp, TOLERANCES["float32"])
     assert result.exit_code == 1 and result.grad_rel_name == "layers.0.k_proj.bias"
+
+
+def test_device_flag_refusals(llama_dir, capsys, monkeypatch):
+    """Catches --device cuda on a machine without CUDA turning into a CUDA traceback in the workers,
+    and a ring over GPUs shared through gloo (send/recv of CUDA tensors) being launched."""
+    if not torch.cuda.is_available():
+        assert main(["check", str(llama_dir), "--sp-size", "2", "--device", "cuda"]) == 2
+        assert "torch sees no CUDA device; use --device cpu" in capsys.readouterr().err
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert main(["check", str(llama_dir), "--sp-size", "4", "--sp-ring-size", "2", "--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert "ring's send/recv over GPUs shared through gloo is not supported" in err and "--device cpu" in err

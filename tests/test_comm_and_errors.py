@@ -140,3 +140,22 @@ def test_mesh_needs_an_initialised_world():
     assert not dist.is_initialized()
     with pytest.raises(ValueError, match="torchrun"):
         SPMesh.from_world(2)
+
+
+def test_local_backend_and_spawn_refusals(monkeypatch):
+    """Catches nccl chosen (or accepted) with fewer GPUs than ranks, which NCCL refuses only after
+    every rank started ("Duplicate GPU detected"), and CUDA asked for where torch has none."""
+    from ulysses_sp import local_backend, spawn
+
+    assert local_backend(4, "cpu") == "gloo"
+    with pytest.raises(ValueError, match="device_type must be 'cpu' or 'cuda'"):
+        local_backend(2, "mps")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="torch sees no CUDA device"):
+            local_backend(2, "cuda")
+        with pytest.raises(ValueError, match="nccl needs a GPU per rank: 2 ranks, 0 GPUs"):
+            spawn(print, 2, backend="nccl")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert local_backend(1, "cuda") == "nccl"
+    assert local_backend(2, "cuda") == "gloo"  # two ranks share the one GPU

@@ -1,4 +1,4 @@
-"""``scripts/gpu_check.py --dry-run``: the GPU readiness script runs its three steps on CPU.
+"""``scripts/gpu_check.py --dry-run``: the GPU readiness script runs its four steps on CPU.
 
 The script is what a GPU machine runs (GPU tests, bf16 bench, CUDA memory ablation); this test
 runs the same code paths with tiny shapes on CPU so a renamed flag, a moved test file or a changed
@@ -28,9 +28,11 @@ def test_gpu_check_dry_run_runs_every_step_and_writes_one_json(tmp_path):
     out = tmp_path / "gpu_check.json"
     assert _load().main(["--dry-run", "--out", str(out), "--budget-s", "240"]) == 0
     results = json.loads(out.read_text())
-    assert results["ok"] and results["dry_run"] and set(results["steps"]) == {"gpu_tests", "bench", "memory_ablation"}
+    assert results["ok"] and results["dry_run"] and set(results["steps"]) == {"gpu_tests", "cuda_check", "bench", "memory_ablation"}
     tests = results["steps"]["gpu_tests"]
     assert tests["counts"]["skipped"] >= 1 and tests["counts"]["failed"] == tests["counts"]["error"] == 0
+    checks = results["steps"]["cuda_check"]["cases"]
+    assert len(checks) == 2 and all(c["result"] == "RESULT: MATCH" for c in checks.values()), checks
     records = results["steps"]["bench"]["records"]
     runs = {r["system"]: r for r in records if "mode" not in r}
     assert set(runs) == {"single", "ulysses", "ulysses_chunked"}

@@ -24,14 +24,32 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _worker(rank: int, fn: Callable, world_size: int, port: int, backend: str, timeout_s: float, args: tuple) -> None:
+def local_backend(world_size: int, device_type: str) -> str:
+    """The backend for ``world_size`` local ranks on ``device_type`` (``"cpu"`` or ``"cuda"``).
+
+    ``"nccl"`` when CUDA has a GPU for every rank; otherwise ``"gloo"``, also on CUDA, where the
+    ranks then share the GPUs (rank r on GPU r % count) and gloo moves CUDA tensors through host
+    memory: that runs the CUDA kernels and measures per-rank CUDA memory on one GPU, but its
+    step times say nothing about NCCL. Raises ``ValueError`` for ``"cuda"`` without CUDA.
+    """
+    if device_type == "cpu":
+        return "gloo"
+    if device_type != "cuda":
+        raise ValueError(f"device_type must be 'cpu' or 'cuda', got {device_type!r}.")
+    if not torch.cuda.is_available():
+        raise ValueError("device_type='cuda' but torch sees no CUDA device; use 'cpu' or a CUDA build of torch.")
+    return "nccl" if torch.cuda.device_count() >= world_size else "gloo"
+
+
+def _worker(rank: int, fn: Callable, world_size: int, port: int, backend: str, timeout_s: float, args: tuple,
+            device_type: str = "cpu") -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
         WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
     )
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    if backend == "nccl":
-        torch.cuda.set_device(rank)
+    if backend == "nccl" or device_type == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())  # nccl: one GPU per rank (checked in spawn)
     dist.init_process_group(
         backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s)
     )
@@ -49,6 +67,7 @@ def spawn(
     backend: str = "gloo",
     timeout_s: float = 300.0,
     preload: Sequence[str] = (),
+    device_type: str = "cpu",
 ) -> None:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes of one process group.
 
@@ -56,16 +75,22 @@ def spawn(
     here with that rank's traceback; ``timeout_s`` bounds every collective, so a rank that stops
     early turns into an error in the others instead of a hang. ``preload`` names modules the
     fork server imports once (e.g. ``"transformers.modeling_utils"``); it takes effect when the
-    server first starts in this process.
+    server first starts in this process. ``device_type="cuda"`` makes rank r's current CUDA
+    device GPU r % count (with gloo the ranks may share GPUs; see :func:`local_backend`).
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}.")
+    if backend == "nccl" and torch.cuda.device_count() < world_size:
+        raise ValueError(f"nccl needs a GPU per rank: {world_size} ranks, {torch.cuda.device_count()} GPUs; "
+                         "use local_backend(world_size, 'cuda') (gloo when GPUs are shared) or fewer ranks.")
+    if device_type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device_type='cuda' but torch sees no CUDA device; use device_type='cpu'.")
     # forkserver: one server process imports torch once and forks every worker from it, so repeated
     # launches (the tests, the CLI) do not pay the import in each process; it never ran a kernel,
     # so no thread pool is inherited half-initialised as with plain fork.
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed", "ulysses_sp.comm.launch", *preload])
     mp.start_processes(
-        _worker, args=(fn, world_size, free_port(), backend, timeout_s, args), nprocs=world_size, join=True,
+        _worker, args=(fn, world_size, free_port(), backend, timeout_s, args, device_type), nprocs=world_size, join=True,
         start_method="forkserver",
     )

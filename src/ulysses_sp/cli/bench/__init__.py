@@ -186,14 +186,15 @@ def _attention_memory(args: argparse.Namespace, cuda: bool, gpus: int, budget, s
     out = []
     for S in args.seq_lens:
         for P in args.sp_sizes:
-            why = _unrunnable("ulysses", P, S, cuda, gpus) or (None if P > 1 else "P=1 has no exchange")
+            # memory only: with fewer GPUs than P the ranks share them over gloo (per-rank CUDA peaks hold)
+            why = _unrunnable("ulysses", P, S, False, gpus) or (None if P > 1 else "P=1 has no exchange")
             why = why or budget.refuses([_Len(S)], 2 * 2)
             if why:
                 skipped.append(f"attention memory P={P} S={S}: {why}")
                 continue
             new = attention_memory(P, S, sorted({1, args.head_chunks}), B=args.batch_size, N=args.heads,
                                    K=args.kv_heads, H=args.head_dim, dtype=args.dtype or ("bfloat16" if cuda else "float32"),
-                                   backend="nccl" if cuda else "gloo")
+                                   device_type="cuda" if cuda else "cpu")
             print(f"[attention memory] P={P} S={S}: " + ", ".join(
                 f"C={r['head_chunks']} {r['peak_attention_bytes'] / 2**20:.1f} MiB" for r in new), flush=True)
             out += new

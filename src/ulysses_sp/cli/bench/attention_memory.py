@@ -20,7 +20,7 @@ import tempfile
 
 import torch
 
-from ulysses_sp import SPMesh, UlyssesAttention, spawn
+from ulysses_sp import SPMesh, UlyssesAttention, local_backend, spawn
 
 _M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
 
@@ -50,9 +50,10 @@ def _peak(device: torch.device) -> int:
     return _status_bytes("VmHWM")
 
 
-def _worker(rank: int, world: int, shape: tuple, dtype: str, chunks: list[int], out_path: str) -> None:
+def _worker(rank: int, world: int, shape: tuple, dtype: str, chunks: list[int], out_path: str,
+            device_type: str = "cpu") -> None:
     B, N, K, S, H = shape
-    cuda = torch.distributed.get_backend() == "nccl"
+    cuda = device_type == "cuda"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     if not cuda:
         ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, 64 * 1024)
@@ -77,11 +78,15 @@ def _worker(rank: int, world: int, shape: tuple, dtype: str, chunks: list[int], 
 
 
 def attention_memory(P: int, S: int, chunks: list[int], *, B: int = 1, N: int = 8, K: int = 4, H: int = 32,
-                     dtype: str = "float32", backend: str = "gloo") -> list[dict]:
-    """Per head-chunk count: the peak bytes (max over ranks) of one attention forward + backward."""
+                     dtype: str = "float32", device_type: str = "cpu") -> list[dict]:
+    """Per head-chunk count: the peak bytes (max over ranks) of one attention forward + backward.
+
+    On ``"cuda"`` with fewer GPUs than ``P`` the ranks share them over gloo (``local_backend``):
+    each rank's CUDA peak is its own allocator's, so the figures hold; the exchange is slower."""
     with tempfile.TemporaryDirectory() as tmp:
         out_path = os.path.join(tmp, "peaks.json")
-        spawn(_worker, P, (B, N, K, S, H), dtype, list(chunks), out_path, backend=backend)
+        spawn(_worker, P, (B, N, K, S, H), dtype, list(chunks), out_path, device_type,
+              backend=local_backend(P, device_type), device_type=device_type)
         with open(out_path) as f:
             peaks = json.load(f)
     base = peaks[str(chunks[0])]

@@ -37,6 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attn-implementation", default=None,
                         help="sdpa, eager, flex_attention, flash_attention_2 ... (default: the model's own)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the batch and of random weights (default 0)")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                        help="where both runs compute (default auto: CUDA when torch sees a GPU). With fewer GPUs "
+                        "than --sp-size the ranks share them over gloo: the CUDA kernels are checked, not NCCL")
 
 
 def format_report(report: CheckReport) -> str:
@@ -80,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
         model=model, sp_size=args.sp_size, random_init=args.random_init, dtype=args.dtype,
         batch_size=args.batch_size, seq_len=args.seq_len, padding=args.padding, packed=args.packed,
         attn_implementation=args.attn_implementation, seed=args.seed, sp_ring_size=args.sp_ring_size,
+        device=args.device,
     )
     try:
         report = run_check(options)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +30,8 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from ulysses_sp import (
-    IGNORE_INDEX, SPMesh, UlyssesSP, UlyssesSPConfig, check_model_support, global_num_items, reported_loss, spawn,
+    IGNORE_INDEX, SPMesh, UlyssesSP, UlyssesSPConfig, check_model_support, global_num_items, local_backend, reported_loss,
+    spawn,
 )
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -55,6 +56,7 @@ class CheckOptions:
     attn_implementation: str | None = None
     seed: int = 0
     sp_ring_size: int | None = None  # Ulysses x ring degree (None: automatic, 1 while sp_size <= heads)
+    device: str = "auto"  # "cpu", "cuda", or "auto": CUDA when torch sees a GPU
 
 
 @dataclass(frozen=True)
@@ -291,9 +293,8 @@ def reference_step(model: PreTrainedModel, batch: CheckBatch) -> StepResult:
 def _sp_worker(rank: int, world: int, opts: CheckOptions, tensors: dict[str, torch.Tensor], out_path: str) -> None:
     """One SP rank: the sharded step; rank 0 saves the loss and the DDP-averaged gradients."""
     transformers.logging.disable_progress_bar()  # this process only: P bars would bury the table
-    nccl = dist.get_backend() == "nccl"
-    device = torch.device("cuda", rank) if nccl else torch.device("cpu")
-    mesh = SPMesh.from_world(world)
+    device = torch.device("cuda", torch.cuda.current_device()) if opts.device == "cuda" else torch.device("cpu")
+    mesh = SPMesh.from_world(world, device_type=device.type)
     model = load_model(opts, device)
     with UlyssesSP(model, mesh, UlyssesSPConfig(sp_size=world, sp_ring_size=opts.sp_ring_size)) as sp:
         shard = sp.shard({k: v.to(device) for k, v in tensors.items()})
@@ -305,9 +306,28 @@ def _sp_worker(rank: int, world: int, opts: CheckOptions, tensors: dict[str, tor
         torch.save({"loss": logged.item(), "grads": grads}, out_path)
 
 
-def _backend(sp_size: int) -> str:
-    """``nccl`` when CUDA has a GPU for every rank, else ``gloo`` on CPU."""
-    return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= sp_size else "gloo"
+def resolve_device(opts: CheckOptions) -> str:
+    """``"cuda"`` or ``"cpu"`` for ``opts.device``; a CheckInputError for CUDA without a GPU or for
+    a ring over GPUs shared through gloo (its send/recv needs NCCL or CPU tensors)."""
+    if opts.device not in ("auto", "cpu", "cuda"):
+        raise CheckInputError(f"--device must be auto, cpu or cuda, got {opts.device!r}.")
+    if opts.device == "cuda" and not torch.cuda.is_available():
+        raise CheckInputError("--device cuda but torch sees no CUDA device; use --device cpu (or auto).")
+    device = "cuda" if opts.device == "cuda" or (opts.device == "auto" and torch.cuda.is_available()) else "cpu"
+    if device == "cuda" and local_backend(opts.sp_size, device) == "gloo" and (opts.sp_ring_size or 1) > 1:
+        raise CheckInputError(
+            f"--sp-ring-size {opts.sp_ring_size} on {torch.cuda.device_count()} GPU(s) for P={opts.sp_size}: the "
+            "ring's send/recv over GPUs shared through gloo is not supported; use --device cpu, or one GPU per rank."
+        )
+    return device
+
+
+def _backend_label(sp_size: int, device: str) -> str:
+    """How the SP ranks talk, for the report: ``nccl``, ``gloo (CPU)`` or ``gloo (sharing N GPU(s))``."""
+    backend = local_backend(sp_size, device)
+    if device == "cpu":
+        return "gloo (CPU)"
+    return backend if backend == "nccl" else f"gloo (sharing {torch.cuda.device_count()} GPU(s))"
 
 
 def sp_step(opts: CheckOptions, batch: CheckBatch) -> StepResult:
@@ -315,7 +335,8 @@ def sp_step(opts: CheckOptions, batch: CheckBatch) -> StepResult:
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="ulysses_sp_check_") as tmp:
         out_path = str(Path(tmp) / "sp_result.pt")
-        spawn(_sp_worker, opts.sp_size, opts, batch.tensors, out_path, backend=_backend(opts.sp_size))
+        spawn(_sp_worker, opts.sp_size, opts, batch.tensors, out_path, backend=local_backend(opts.sp_size, opts.device),
+              device_type=opts.device)
         saved = torch.load(out_path, weights_only=True)
     return StepResult(saved["loss"], saved["grads"], time.perf_counter() - t0)
 
@@ -362,7 +383,8 @@ def compare(ref: StepResult, sp: StepResult, tolerance: Tolerance) -> Comparison
 def run_check(opts: CheckOptions) -> CheckReport:
     """Steps 1-5 of the module docstring. Raises CheckInputError on bad input, before any spawn."""
     _validate_options(opts)
-    device = torch.device("cuda", 0) if _backend(opts.sp_size) == "nccl" else torch.device("cpu")
+    opts = replace(opts, device=resolve_device(opts))
+    device = torch.device("cuda", 0) if opts.device == "cuda" else torch.device("cpu")
     model = load_model(opts, device)
     kernel = validate_model(model, opts.sp_size, opts.sp_ring_size)
     config = model.config.get_text_config()
@@ -382,5 +404,5 @@ def run_check(opts: CheckOptions) -> CheckReport:
         torch.cuda.empty_cache()  # rank 0 shares this GPU
     sp = sp_step(opts, batch)
     comparison = compare(ref, sp, TOLERANCES[opts.dtype])
-    return CheckReport(opts, model_class, num_params, kernel, _backend(opts.sp_size), batch, comparison,
+    return CheckReport(opts, model_class, num_params, kernel, _backend_label(opts.sp_size, opts.device), batch, comparison,
                        ref.seconds, sp.seconds)
