@@ -38,8 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="sdpa, eager, flex_attention, flash_attention_2 ... (default: the model's own)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the batch and of random weights (default 0)")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
-                        help="where both runs compute (default auto: CUDA when torch sees a GPU). With fewer GPUs "
-                        "than --sp-size the ranks share them over gloo: the CUDA kernels are checked, not NCCL")
+                        help="where both runs compute (default auto: CUDA with NCCL when there is a GPU per rank, "
+                        "else CPU). cuda with fewer GPUs than --sp-size: the ranks share them over gloo (each holds "
+                        "a model copy there); that checks the CUDA kernels, not NCCL")
 
 
 def format_report(report: CheckReport) -> str:

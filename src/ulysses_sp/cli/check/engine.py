@@ -56,7 +56,7 @@ class CheckOptions:
     attn_implementation: str | None = None
     seed: int = 0
     sp_ring_size: int | None = None  # Ulysses x ring degree (None: automatic, 1 while sp_size <= heads)
-    device: str = "auto"  # "cpu", "cuda", or "auto": CUDA when torch sees a GPU
+    device: str = "auto"  # "cpu", "cuda", or "auto": CUDA when there is a GPU per rank, else CPU
 
 
 @dataclass(frozen=True)
@@ -313,7 +313,10 @@ def resolve_device(opts: CheckOptions) -> str:
         raise CheckInputError(f"--device must be auto, cpu or cuda, got {opts.device!r}.")
     if opts.device == "cuda" and not torch.cuda.is_available():
         raise CheckInputError("--device cuda but torch sees no CUDA device; use --device cpu (or auto).")
-    device = "cuda" if opts.device == "cuda" or (opts.device == "auto" and torch.cuda.is_available()) else "cpu"
+    # auto: CUDA only with a GPU per rank (NCCL); sharing a GPU is asked for with --device cuda, since
+    # every rank then holds a copy of the model on it
+    auto_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= opts.sp_size
+    device = "cuda" if opts.device == "cuda" or (opts.device == "auto" and auto_cuda) else "cpu"
     if device == "cuda" and local_backend(opts.sp_size, device) == "gloo" and (opts.sp_ring_size or 1) > 1:
         raise CheckInputError(
             f"--sp-ring-size {opts.sp_ring_size} on {torch.cuda.device_count()} GPU(s) for P={opts.sp_size}: the "
