@@ -161,3 +161,28 @@ def test_bad_arguments_raise():
         tiled_token_loss(hidden, weight.t(), labels, 5, grad_average_world=1)
     with pytest.raises(ValueError, match="tile_tokens"):
         tiled_token_loss(hidden, weight, labels, 5, grad_average_world=1, tile_tokens=0)
+
+
+def test_grad_out_retain_graph_and_no_grad():
+    """Catches gradients formed in forward that ignore grad_out (the loss scaled by 0.3 before
+    backward), that a first backward consumes (retain_graph: a second backward adds them again),
+    and an evaluation forward (no_grad) that disagrees with the training one."""
+    hidden, weight, b, labels = _inputs()
+
+    def tiled():
+        return tiled_token_loss(hidden, weight, labels, 20, grad_average_world=WORLD, tile_tokens=5, lm_head_bias=b,
+                                final_logit_softcapping=3.0)
+
+    ref, ref_grads = _loss_and_grads(lambda: _reference(hidden, weight, b, labels, 20, 3.0) * 0.3, (hidden, weight, b))
+    got, got_grads = _loss_and_grads(lambda: tiled() * 0.3, (hidden, weight, b))
+    torch.testing.assert_close(got, ref, rtol=RTOL, atol=ATOL)
+    for g, r in zip(got_grads, ref_grads):
+        torch.testing.assert_close(g, r, rtol=RTOL, atol=ATOL)
+    loss = tiled()
+    loss.backward(retain_graph=True)
+    first = [t.grad.clone() for t in (hidden, weight, b)]
+    loss.backward()
+    for t, f in zip((hidden, weight, b), first):
+        torch.testing.assert_close(t.grad, 2 * f, rtol=0, atol=0)  # f + f is exact
+    with torch.no_grad():
+        torch.testing.assert_close(tiled(), loss.detach(), rtol=RTOL, atol=ATOL)

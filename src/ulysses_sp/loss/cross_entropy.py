@@ -88,14 +88,30 @@ def sp_token_loss(
     return local_sum / count * grad_average_world
 
 
+def softmax_cross_entropy(logits_TV: torch.Tensor, labels_T: torch.Tensor, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(CE sum over valid tokens, softmax - onehot)`` in fp32 from one softmax pass.
+
+    Shape legend: T tokens, V vocab. ``p = softmax(logits)``; each row's log-sum-exp from its
+    largest logit ``m`` as ``m - log(p[argmax])`` (``p[argmax] >= 1/V``: never underflows), the
+    CE ``lse - logit[target]``; then ``p`` turns in place into ``softmax - onehot`` with the rows of
+    ignored labels zeroed: d(CE sum)/d logits, ``(T, V)`` fp32.
+    """
+    p_TV = torch.softmax(logits_TV, dim=-1, dtype=torch.float32)
+    valid_T = labels_T != ignore_index
+    target_T1 = labels_T.masked_fill(~valid_T, 0).unsqueeze(1)
+    top_T, top_at_T = logits_TV.max(dim=-1)
+    lse_T = top_T.float() - p_TV.gather(1, top_at_T.unsqueeze(1)).squeeze(1).log()
+    picked_T = logits_TV.gather(1, target_T1).squeeze(1).float()
+    local_sum = (lse_T - picked_T).masked_fill(~valid_T, 0).sum()
+    valid_T1 = valid_T.unsqueeze(1).to(p_TV.dtype)
+    return local_sum, p_TV.scatter_add_(1, target_T1, -valid_T1).mul_(valid_T1)
+
+
 class _TokenCrossEntropy(torch.autograd.Function):
     """``CE_sum(logits, labels) / count * world`` with d/dlogits formed during the forward.
 
-    Shape legend: T tokens, V vocab. Forward: ``p = softmax(logits)`` in fp32 (one fused pass),
-    each row's log-sum-exp from its largest logit ``m`` as ``m - log(p[argmax])`` (``p[argmax]``
-    is at least 1/V, so this never underflows), the loss ``lse - logit[target]``; then ``p`` turns
-    in place into ``softmax - onehot`` (rows of ignored labels zeroed) and is saved; backward only
-    scales it by ``grad_out / count * world``.
+    Forward: :func:`softmax_cross_entropy` (the loss and ``softmax - onehot``, saved); backward
+    only scales the saved gradient by ``grad_out / count * world``.
 
     Same values and gradients as ``F.cross_entropy(logits.float(), ..., reduction="sum") / count *
     world`` under autograd (log_softmax backward computes ``g - softmax * sum(g)`` with
@@ -106,15 +122,7 @@ class _TokenCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits_TV, labels_T, count, world, ignore_index):
-        p_TV = torch.softmax(logits_TV, dim=-1, dtype=torch.float32)
-        valid_T = labels_T != ignore_index
-        target_T1 = labels_T.masked_fill(~valid_T, 0).unsqueeze(1)
-        top_T, top_at_T = logits_TV.max(dim=-1)
-        lse_T = top_T.float() - p_TV.gather(1, top_at_T.unsqueeze(1)).squeeze(1).log()
-        picked_T = logits_TV.gather(1, target_T1).squeeze(1).float()
-        local_sum = (lse_T - picked_T).masked_fill(~valid_T, 0).sum()
-        valid_T1 = valid_T.unsqueeze(1).to(p_TV.dtype)
-        grad_TV = p_TV.scatter_add_(1, target_T1, -valid_T1).mul_(valid_T1)  # softmax - onehot, valid rows
+        local_sum, grad_TV = softmax_cross_entropy(logits_TV, labels_T, ignore_index)
         ctx.save_for_backward(grad_TV, *([count] if isinstance(count, torch.Tensor) else []))
         ctx.count = None if isinstance(count, torch.Tensor) else count
         ctx.world, ctx.dtype = world, logits_TV.dtype

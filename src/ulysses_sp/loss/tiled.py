@@ -3,23 +3,25 @@
 Shape legend: B batch, s local shard, T = B*s tokens, t tokens of one tile, D hidden, V vocab.
 
 Same value and gradients as ``sp_token_loss(F.linear(hidden, W, bias), ...)`` (the convention of
-:mod:`ulysses_sp.loss.cross_entropy`: ``loss_r = local CE sum / N * W``), computed tile by tile::
+:mod:`ulysses_sp.loss.cross_entropy`: ``loss_r = local CE sum / N * W``), computed tile by tile,
+the gradients formed while each tile's logits exist (no recomputation)::
 
     forward  for each tile of t tokens:  z = h_tD @ W_VD^T (+ b)  -> fp32 (t, V)
                                          y = tanh(z / c) * c       (optional softcap)
-                                         loss += CE_sum(y, labels) (fp32), z and y dropped
-             saved for backward: hidden, W, bias, labels (the inputs only)
-    backward for each tile: recompute y, dy = (softmax(y) - onehot) * valid * scale   (fp32)
-                            dz = dy * (1 - tanh^2)                     (softcap only)
-                            grad_h[tile] = dz @ W,  grad_W += dz^T @ h,  grad_b += dz.sum(0)
+                                         loss += CE_sum(y, labels), dy = softmax(y) - onehot
+                                                 (one softmax pass, ignored rows zero; fp32)
+                                         dz = dy * scale (* (1 - tanh^2) with softcap)
+                                         grad_h[tile] = dz @ W, grad_W += dz^T @ h, grad_b += dz.sum(0)
+             saved for backward: grad_h (T, D), grad_W (V, D), grad_b (the inputs are not kept)
+    backward multiply the saved gradients by grad_out
 
-Peak extra memory: a few fp32 (t, V) buffers of ONE tile (logits, softmax, and with softcap the
-tanh), instead of (T, V) logits in the model dtype plus their fp32 copy plus the fp32 softmax
-that the untiled path keeps. Backward also holds grad_hidden (T, D) and, when W needs a gradient
-and is not fp32, an fp32 (V, D) accumulator (released on return) so that summing the tiles'
-grad_W contributions rounds once, like the untiled matmul.
-
-The price is one extra (T, D) x (D, V) matmul in backward (the recomputed logits).
+``scale = W / N``. Peak extra memory: a few fp32 (t, V) buffers of ONE tile, instead of (T, V)
+logits in the model dtype plus their fp32 copy plus the fp32 softmax that the untiled path keeps;
+plus grad_hidden (T, D) (held instead of the hidden states themselves) and, when W needs a
+gradient, an fp32 (V, D) accumulator during the forward (kept in W's dtype until backward), so
+that summing the tiles' grad_W contributions rounds once, like the untiled matmul. Against
+recomputing the logits in backward this saves one (T, D) x (D, V) matmul and one softmax pass
+per tile; a forward under ``torch.no_grad()`` (evaluation) computes the loss alone.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from ulysses_sp.config import IGNORE_INDEX
+from ulysses_sp.loss.cross_entropy import softmax_cross_entropy
 
 
 def tiled_token_loss(
@@ -86,6 +89,8 @@ def tiled_token_loss(
         count = num_items_in_batch.detach().to(device=hidden_BsD.device, dtype=torch.float32).clamp_min(1)
     else:
         count = float(max(int(num_items_in_batch), 1))
+    grads_wanted = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (hidden_BsD, lm_head_weight_VD, lm_head_bias))
     return _TiledLinearCrossEntropy.apply(
         hidden_BsD.reshape(-1, hidden_BsD.shape[-1]),
         lm_head_weight_VD,
@@ -96,6 +101,7 @@ def tiled_token_loss(
         tile_tokens,
         ignore_index,
         final_logit_softcapping,
+        grads_wanted,
     )
 
 
@@ -109,62 +115,49 @@ def _tile_logits(h_tD, w_VD, b_V, cap):
 
 
 class _TiledLinearCrossEntropy(torch.autograd.Function):
-    """CE sum of ``F.linear(h_TD, w_VD, b_V)`` over tiles, scaled by ``world / count``."""
+    """CE sum of ``F.linear(h_TD, w_VD, b_V)`` over tiles, scaled by ``world / count``.
+
+    With gradients wanted, each tile's gradients are formed while its logits exist (forward):
+    ``dz = (softmax - onehot) * world / count`` (times ``1 - tanh^2`` with a softcap), then
+    ``grad_h[tile] = dz @ W``, ``grad_W += dz^T @ h``, ``grad_b += dz.sum(0)``; backward only
+    multiplies them by ``grad_out``. Without, the tiles give the loss alone.
+    """
 
     @staticmethod
-    def forward(ctx, h_TD, w_VD, b_V, labels_T, count, world, tile, ignore_index, cap):
+    def forward(ctx, h_TD, w_VD, b_V, labels_T, count, world, tile, ignore_index, cap, grads_wanted):
+        need_h, need_w, need_b = (grads_wanted and need for need in ctx.needs_input_grad[:3])
+        scale = 1.0 / count * world  # d loss / d (CE sum) for grad_out = 1 (a 0-d tensor or a float)
+        grad_h = torch.empty_like(h_TD) if need_h else None
+        grad_w = torch.zeros_like(w_VD, dtype=torch.float32) if need_w else None
+        grad_b = torch.zeros_like(b_V, dtype=torch.float32) if need_b else None
         total = torch.zeros((), dtype=torch.float32, device=h_TD.device)
         for start in range(0, h_TD.shape[0], tile):
-            logits_tV, _ = _tile_logits(h_TD[start:start + tile], w_VD, b_V, cap)
-            total += F.cross_entropy(
-                logits_tV, labels_T[start:start + tile], ignore_index=ignore_index, reduction="sum"
-            )
+            h_tD, labels_t = h_TD[start:start + tile], labels_T[start:start + tile]
+            logits_tV, tanh_tV = _tile_logits(h_tD, w_VD, b_V, cap)
+            if not (need_h or need_w or need_b):
+                total += F.cross_entropy(logits_tV, labels_t, ignore_index=ignore_index, reduction="sum")
+                continue
+            ce, dz_tV = softmax_cross_entropy(logits_tV, labels_t, ignore_index)
+            total += ce
             del logits_tV
-        ctx.count_is_tensor = isinstance(count, torch.Tensor)
-        saved_count = (count,) if ctx.count_is_tensor else ()
-        ctx.save_for_backward(h_TD, w_VD, b_V, labels_T, *saved_count)
-        ctx.count = None if ctx.count_is_tensor else count
-        ctx.world, ctx.tile, ctx.ignore_index, ctx.cap = world, tile, ignore_index, cap
+            dz_tV.mul_(scale)
+            if tanh_tV is not None:
+                dz_tV.mul_(tanh_tV.square_().neg_().add_(1))  # d tanh(z/c)*c / dz = 1 - tanh^2
+            if need_b:
+                grad_b += dz_tV.sum(0)
+            dz_tV = dz_tV.to(h_TD.dtype)
+            if need_h:
+                grad_h[start:start + tile] = dz_tV @ w_VD.to(h_TD.dtype)
+            if need_w:
+                grad_w += dz_tV.t() @ h_tD
+            del dz_tV
+        ctx.save_for_backward(grad_h, grad_w.to(w_VD.dtype) if need_w else None,
+                              grad_b.to(b_V.dtype) if need_b else None)
         return total / count * world
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        h_TD, w_VD, b_V, labels_T, *saved_count = ctx.saved_tensors
-        count = saved_count[0] if ctx.count_is_tensor else ctx.count
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        scale = grad_out.float() / count * ctx.world  # d loss / d (CE sum), 0-d fp32
-        grad_h = torch.empty_like(h_TD) if need_h else None
-        if need_w:
-            grad_w = torch.zeros_like(w_VD, dtype=torch.float32)
-        grad_b = torch.zeros_like(b_V, dtype=torch.float32) if need_b else None
-        if need_h or need_w or need_b:
-            for start in range(0, h_TD.shape[0], ctx.tile):
-                h_tD = h_TD[start:start + ctx.tile]
-                dz_tV = _tile_grad_logits(h_tD, w_VD, b_V, labels_T[start:start + ctx.tile], scale, ctx)
-                if need_b:
-                    grad_b += dz_tV.sum(0)
-                dz_tV = dz_tV.to(h_TD.dtype)
-                if need_h:
-                    grad_h[start:start + ctx.tile] = dz_tV @ w_VD.to(h_TD.dtype)
-                if need_w:
-                    grad_w += dz_tV.t() @ h_tD
-                del dz_tV
-        if need_w:
-            grad_w = grad_w.to(w_VD.dtype)
-        if need_b:
-            grad_b = grad_b.to(b_V.dtype)
-        return grad_h, grad_w if need_w else None, grad_b, None, None, None, None, None, None
-
-
-def _tile_grad_logits(h_tD, w_VD, b_V, labels_t, scale, ctx):
-    """fp32 ``(t, V)`` d loss / d (pre-softcap logits) of one tile, recomputed from its inputs."""
-    logits_tV, tanh_tV = _tile_logits(h_tD, w_VD, b_V, ctx.cap)
-    valid_t = labels_t != ctx.ignore_index
-    grad_tV = torch.softmax(logits_tV, dim=-1)
-    del logits_tV
-    rows = torch.arange(labels_t.shape[0], device=labels_t.device)
-    grad_tV[rows, torch.where(valid_t, labels_t, 0)] -= 1
-    grad_tV.mul_((valid_t.float() * scale).unsqueeze(1))
-    if tanh_tV is not None:
-        grad_tV.mul_(tanh_tV.square_().neg_().add_(1))  # d tanh(z/c)*c / dz = 1 - tanh^2
-    return grad_tV
+        # grad_out is a 0-d fp32 tensor: each product is computed in fp32 and rounded once
+        grads = [None if g is None else g * grad_out for g in ctx.saved_tensors]
+        return *grads, None, None, None, None, None, None, None
