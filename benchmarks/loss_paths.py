@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import os
 import statistics
 import sys
 import time
@@ -27,7 +28,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, __file__.rsplit("/", 2)[0] + "/src")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 from ulysses_sp import sp_token_loss, tiled_token_loss  # noqa: E402
 
 
@@ -109,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append((name, statistics.median(times), min(times), peak))
     base_t, base_m = rows[0][1], rows[0][3]
     print(f"loss step, T={args.tokens} D={args.hidden} V={args.vocab} {args.dtype} on {args.device}, "
-          f"tile {args.tile}, {torch.get_num_threads()} threads, load {__import__('os').getloadavg()[0]:.2f}")
+          f"tile {args.tile}, {torch.get_num_threads()} threads, load {os.getloadavg()[0]:.2f}")
     print("| variant | median (min) s | vs autograd time | peak MiB above inputs | vs autograd memory |")
     print("|---|---|---|---|---|")
     for name, med, low, peak in rows:
