@@ -30,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from ulysses_sp import SPMesh, UlyssesSP, dp_sampler_kwargs, global_num_items, reported_loss
+from ulysses_sp import SPMesh, UlyssesSP, close_world, dp_sampler_kwargs, global_num_items, reported_loss
 
 
 def main() -> None:
@@ -78,8 +78,7 @@ def main() -> None:
             save_state(args.save_dir, model, optimizer, step)
         if step == args.stop_after:
             break
-    dist.barrier()
-    dist.destroy_process_group()
+    close_world()  # barrier + destroy_process_group, without gloo's exit deadlock
 
 
 def save_state(directory: str, model: DistributedDataParallel, optimizer: torch.optim.Optimizer, step: int) -> None:

@@ -18,7 +18,7 @@ import torch
 from datasets import Dataset
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
-from ulysses_sp import UlyssesSPConfig, UlyssesTrainer
+from ulysses_sp import UlyssesSPConfig, UlyssesTrainer, close_world
 
 
 class JsonLogger(TrainerCallback):
@@ -121,9 +121,7 @@ def main(argv=None) -> None:
                                 "restored_tensors": offload.stats.num_restored}) + "\n")
     if a.eval:
         trainer.evaluate()  # logged through JsonLogger.on_log as eval_loss
-    if torch.distributed.is_initialized():  # shut the world and the SP / DP subgroups down together
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    close_world()  # barrier + destroy the world and the SP / DP subgroups, without gloo's exit deadlock
 
 
 if __name__ == "__main__":

@@ -159,3 +159,21 @@ def test_local_backend_and_spawn_refusals(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     assert local_backend(1, "cuda") == "nccl"
     assert local_backend(2, "cuda") == "gloo"  # two ranks share the one GPU
+
+
+def _close_world_worker(rank, world):
+    from ulysses_sp import close_world
+
+    t = torch.ones(3)
+    dist.all_reduce(t)
+    close_world()
+    assert not dist.is_initialized()
+    close_world()  # a second call (world already closed) is a no-op
+
+
+def test_close_world_destroys_the_world_and_is_idempotent():
+    """Catches close_world leaving the world initialised (the next init_process_group in the
+    process would fail) or raising when called on a closed world."""
+    from ulysses_sp.comm import spawn as spawn_fresh
+
+    spawn_fresh(_close_world_worker, 2)

@@ -85,3 +85,18 @@ def test_retain_graph_twice_and_no_grad_path():
         x2 = logits.clone().requires_grad_()
         (g,) = torch.autograd.grad(sp_token_loss(x2, labels, 50, grad_average_world=2), x2, create_graph=True)
         g.sum().backward()
+
+
+def test_loss_paths_benchmark_runs(capsys):
+    """Catches benchmarks/loss_paths.py rotting (a renamed public name or a variant whose loss no
+    longer equals autograd's: the script checks every variant before timing it)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "loss_paths.py"
+    spec = importlib.util.spec_from_file_location("loss_paths", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main(["--tokens", "64", "--hidden", "16", "--vocab", "50", "--tile", "16", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "| autograd |" in out and "| fused |" in out and "| tiled |" in out

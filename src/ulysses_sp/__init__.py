@@ -34,7 +34,7 @@ from ulysses_sp.attention import (
 from ulysses_sp.comm import (
     DEFAULT_TIMEOUT_S, AttentionComm, CommCounter, SPMesh, all_reduce_sum, attention_comm, check_same_across_ranks,
     check_sp_size,
-    collective_device, free_port, gather_signature, local_backend, spawn,
+    close_world, collective_device, free_port, gather_signature, local_backend, spawn,
 )
 from ulysses_sp.config import ATTN_IMPLEMENTATIONS, IGNORE_INDEX, SP_BACKENDS, UlyssesSPConfig, auto_ring_size
 from ulysses_sp.data import (
@@ -66,7 +66,7 @@ __all__ = [
     "ModelDims", "OffloadStats", "RingAttention", "SPAttention", "SPMesh", "ShardedBatch", "TiledMLP", "TiledMoE",
     "UlyssesAttention", "UlyssesDataLoader", "UlyssesSPConfig",
     "all_reduce_sum", "apply_tiled_mlp", "attention_comm", "auto_ring_size", "build_attention", "check_batch",
-    "check_same_across_ranks", "check_sp_size", "collective_device", "dp_sampler_kwargs", "estimate_peak_memory",
+    "check_same_across_ranks", "check_sp_size", "close_world", "collective_device", "dp_sampler_kwargs", "estimate_peak_memory",
     "free_port", "gather_signature", "get_kernel", "global_num_items", "local_backend", "longest_sequence", "remove_tiled_mlp", "reported_loss",
     "shard_batch", "sp_token_loss", "spawn", "tiled_token_loss", "validate_same_batch",
     *_LAZY, "__version__",

@@ -19,14 +19,14 @@ from ulysses_sp.comm.all_to_all import head_to_seq_out, seq_to_head_qkv
 from ulysses_sp.comm.collectives import all_reduce_sum, check_same_across_ranks, collective_device, gather_signature
 from ulysses_sp.comm.cost import AttentionComm, attention_comm
 from ulysses_sp.comm.counting import CommCounter, CommRecord
-from ulysses_sp.comm.launch import free_port, local_backend, spawn
+from ulysses_sp.comm.launch import close_world, free_port, local_backend, spawn
 from ulysses_sp.comm.layout import HeadPlan
 from ulysses_sp.comm.mesh import DEFAULT_TIMEOUT_S, SPMesh, check_sp_size
 
 __all__ = [
     "DEFAULT_TIMEOUT_S", "AttentionComm", "CommCounter", "CommRecord", "HeadPlan", "SPMesh", "all_reduce_sum",
     "attention_comm",
-    "check_same_across_ranks", "check_sp_size", "collective_device", "free_port", "gather_signature",
+    "check_same_across_ranks", "check_sp_size", "close_world", "collective_device", "free_port", "gather_signature",
     "local_backend",
     "head_to_seq_out", "seq_to_head_qkv", "spawn",
 ]

@@ -41,6 +41,30 @@ def local_backend(world_size: int, device_type: str) -> str:
     return "nccl" if torch.cuda.device_count() >= world_size else "gloo"
 
 
+_FINAL_WORKS: list[dist.Work] = []  # see close_world: held until the interpreter exits
+
+
+def close_world() -> None:
+    """End of a distributed run: a barrier, then ``destroy_process_group()``; safe at interpreter exit.
+
+    Call it on every rank where a script would call ``dist.barrier(); dist.destroy_process_group()``.
+    With gloo that pair can deadlock the exit (1 run in 10 of ``examples/torchrun_train.py`` on a
+    loaded machine, torch 2.13): ``barrier()`` returns when the work completes, but gloo's worker
+    thread drops its own reference to the work a moment later, and if that is the last one, freeing
+    the tensors of the collectives it waited on needs the GIL. If the main thread meanwhile frees
+    the last holder of the process group (a DDP model's reducer, when the training function
+    returns), the group's destructor joins that worker while holding the GIL: neither moves. Here
+    this module keeps the barrier's work until the interpreter exits, so the worker's reference is
+    never the last one. No-op if the world is not initialised.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        return
+    work = dist.barrier(async_op=True)
+    _FINAL_WORKS.append(work)
+    work.wait()
+    dist.destroy_process_group()
+
+
 def _worker(rank: int, fn: Callable, world_size: int, port: int, backend: str, timeout_s: float, args: tuple,
             device_type: str = "cpu") -> None:
     os.environ.update(
@@ -57,7 +81,7 @@ def _worker(rank: int, fn: Callable, world_size: int, port: int, backend: str, t
         fn(rank, world_size, *args)
     finally:
         if dist.is_initialized():  # ``fn`` may have shut the world down itself
-            dist.destroy_process_group()
+            dist.destroy_process_group()  # no barrier: a rank that raised must not wait for the others
 
 
 def spawn(

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ulysses_sp import close_world
 from ulysses_sp.cli.train import options
 from ulysses_sp.cli.train.tasks import CopyTask, default_model_config
 from ulysses_sp.cli.train.watchdog import Heartbeat, is_timeout, timeout_message
@@ -172,8 +173,7 @@ def _train(margs, spargs, targs, output_dir: str) -> dict[str, Any] | None:
     summary = None
     if rank0:
         summary = _finish(margs, spargs, seconds, staging, final, data_summary, callback.summary)
-    dist.barrier()
-    dist.destroy_process_group()
+    close_world()  # barrier + destroy_process_group, without gloo's exit deadlock (see its docstring)
     return summary
 
 
