@@ -79,9 +79,11 @@ def _worker(rank: int, fn: Callable, world_size: int, port: int, backend: str, t
     )
     try:
         fn(rank, world_size, *args)
-    finally:
-        if dist.is_initialized():  # ``fn`` may have shut the world down itself
-            dist.destroy_process_group()  # no barrier: a rank that raised must not wait for the others
+    except BaseException:
+        if dist.is_initialized():  # no barrier: a rank that raised must not wait for the others
+            dist.destroy_process_group()
+        raise
+    close_world()  # every rank got here: barrier + destroy without gloo's exit deadlock (no-op if fn closed it)
 
 
 def spawn(
