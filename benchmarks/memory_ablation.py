@@ -145,7 +145,7 @@ def measure(rung: str, seq_len: int, device: str, fsdp2: bool = False) -> dict:
 
     world = FEATURES[rung][0]
     backend = local_backend(world, device)  # gloo on CUDA: ranks share a GPU; each rank's own CUDA peak counts
-    if fsdp2 and device == "cuda" and backend == "gloo" and world > 1:
+    if fsdp2 and device == "cuda" and backend == "gloo":  # gloo on CUDA: fewer GPUs than ranks
         raise SystemExit(f"--fsdp2 on CUDA needs a GPU per rank (NCCL); {rung} has P={world}: drop --fsdp2 or add GPUs.")
     with tempfile.TemporaryDirectory() as out_dir:
         spawn(trial_worker, world, rung, seq_len, device, out_dir, fsdp2, backend=backend, device_type=device,

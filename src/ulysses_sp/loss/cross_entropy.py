@@ -123,17 +123,16 @@ class _TokenCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits_TV, labels_T, count, world, ignore_index):
         local_sum, grad_TV = softmax_cross_entropy(logits_TV, labels_T, ignore_index)
-        ctx.save_for_backward(grad_TV, *([count] if isinstance(count, torch.Tensor) else []))
-        ctx.count = None if isinstance(count, torch.Tensor) else count
-        ctx.world, ctx.dtype = world, logits_TV.dtype
+        ctx.save_for_backward(grad_TV)
+        # d loss / d (CE sum) for grad_out = 1: a float, or a 0-d tensor made from N (no graph)
+        ctx.scale, ctx.dtype = 1.0 / count * world, logits_TV.dtype
         return local_sum / count * world
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        grad_TV, *saved_count = ctx.saved_tensors
-        count = saved_count[0] if saved_count else ctx.count
-        scale = grad_out.float() / count * ctx.world
+        (grad_TV,) = ctx.saved_tensors
+        scale = grad_out.float() * ctx.scale
         # written straight in the logits dtype: no fp32 (T, V) product next to the saved buffer
         return torch.mul(grad_TV, scale, out=torch.empty_like(grad_TV, dtype=ctx.dtype)), None, None, None, None
 
