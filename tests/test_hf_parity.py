@@ -119,11 +119,12 @@ def check_lora(family, kind, mesh):
 
 
 FAMILIES = ["llama", "llama_k1", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "llama_mha_eager",
-            "stablelm", "nemotron"]  # the last two drop attention kwargs
+            "stablelm", "nemotron",  # these two drop attention kwargs
+            "gpt_oss"]  # attention sinks: 6 heads, so P=4 splits them 2/2/1/1
 PLAN = {
-    1: [(f, k) for f in ("llama", "gemma2", "stablelm", "nemotron") for k in ("padding", "packed")],
+    1: [(f, k) for f in ("llama", "gemma2", "stablelm", "nemotron", "gpt_oss") for k in ("padding", "packed")],
     2: [(f, k) for f in FAMILIES for k in ("padding", "packed", "odd")],
-    3: [(f, k) for f in ("llama", "qwen3", "mistral") for k in ("padding", "packed")],
+    3: [(f, k) for f in ("llama", "qwen3", "mistral", "gpt_oss") for k in ("padding", "packed")],
     4: [(f, "packed") for f in FAMILIES] + [("gemma2", "padding"), ("llama_k1", "odd")],
 }
 
@@ -159,6 +160,7 @@ def _worker(rank, world):
         check("qwen3", "packed", mesh, tiled_mlp_tokens=5)  # 12 local tokens: tiles of 5, 5, 2
         check("gemma2", "padding", mesh, checkpointing=True, tiled_mlp_tokens=4, tiled_loss_tokens=7)  # final softcap
         check("llama", "packed", mesh, tiled_loss_tokens=5)
+        check("gpt_oss", "packed", mesh, head_chunks=3)  # sinks read inside the chunked pipeline keep their grads
         check_eval("qwen2", "packed", mesh)
         check_lora("llama", "padding", mesh)
         model = tiny_model("llama")
@@ -173,6 +175,8 @@ def test_loss_and_every_gradient_match_one_process(world):
     norm, fused qkv, GQA with K < P) or batch handling (padding, packed documents, S % P != 0,
     shift at shard boundaries) differ under SP from one process; P=1 must equal plain transformers.
     P=2 also covers gradient checkpointing and the error for a batch without the global mask.
+    gpt_oss: attention sinks sliced to each rank's heads (even and uneven splits, head chunks); a
+    sink read by the wrong rank, or one whose gradient is lost, fails loss or sink gradients.
     P=3/4 also run sp_backend="ring" (a config choice reaching the ring, including more ranks than heads)
     and Ulysses x ring (TWO_D_PLAN: sp_size above the head count, K < A, windows, head chunks)."""
     spawn(_worker, world)

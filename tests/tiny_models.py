@@ -39,6 +39,11 @@ def tiny_config(family: str):
         return tf.NemotronConfig(**COMMON, num_attention_heads=8, num_key_value_heads=2), "sdpa"
     if family == "phi3":  # fused qkv projection
         return tf.Phi3Config(**COMMON, num_attention_heads=8, num_key_value_heads=4), "sdpa"
+    if family == "gpt_oss":  # attention sinks (one learned logit per head), sliding/full layers, MoE, eager
+        cfg = tf.GptOssConfig(**COMMON, num_attention_heads=6, num_key_value_heads=2, head_dim=16, sliding_window=6,
+                              num_local_experts=4, num_experts_per_tok=2,
+                              rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+        return cfg, "eager"
     raise KeyError(family)
 
 
@@ -50,6 +55,8 @@ def tiny_model(family: str, seed: int = 0):
         for name, p in model.named_parameters():
             if p.dim() == 2:
                 p.normal_(0, 0.2)
+            elif name.endswith("sinks"):  # sink logits comparable to the scores, so the sinks take a real share
+                p.normal_(0, 1.0)
     return model
 
 

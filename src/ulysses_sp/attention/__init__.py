@@ -10,12 +10,13 @@
 
 from ulysses_sp.attention.backends import build_attention
 from ulysses_sp.attention.contract import SPAttention, check_inputs_across_ranks
-from ulysses_sp.attention.kernels import KERNELS, get_kernel
+from ulysses_sp.attention.kernels import KERNELS, SDPA_NO_SINKS, flash_supports_sinks, get_kernel
 from ulysses_sp.attention.masks import GlobalMask, document_ids_from_position_ids
 from ulysses_sp.attention.ring import RingAttention
 from ulysses_sp.attention.ulysses import UlyssesAttention
 
 __all__ = [
     "KERNELS", "GlobalMask", "RingAttention", "SPAttention", "UlyssesAttention", "build_attention",
-    "check_inputs_across_ranks", "document_ids_from_position_ids", "get_kernel",
+    "SDPA_NO_SINKS", "check_inputs_across_ranks", "document_ids_from_position_ids", "flash_supports_sinks",
+    "get_kernel",
 ]

@@ -37,7 +37,7 @@ class SPAttention(Protocol):
     def __call__(
         self, q_BNsH: torch.Tensor, k_BKsH: torch.Tensor, v_BKsH: torch.Tensor, mask: GlobalMask | None = None, *,
         scaling: float | None = None, sliding_window: int | None = None, softcap: float | None = None,
-        dropout: float = 0.0,
+        dropout: float = 0.0, sinks: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
 
 

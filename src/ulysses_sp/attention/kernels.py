@@ -6,9 +6,12 @@ local query head i reads kv head i // (n/k)), H head dim, Hv value head dim.
 Every kernel has the signature::
 
     kernel(q (B,n,S,H), k (B,k,S,H), v (B,k,S,Hv), mask: GlobalMask, *,
-           scaling, sliding_window, softcap, dropout) -> o (B,S,n,Hv)
+           scaling, sliding_window, softcap, dropout[, sinks]) -> o (B,S,n,Hv)
 
 ``sliding_window=w`` lets query i see keys with ``i - j < w`` (Transformers' convention).
+``sinks`` (n,): learned per-head attention-sink logits (GPT-OSS style), passed only when the model
+has them: one extra logit in each softmax denominator, no value. ``eager`` and ``flex_attention``
+apply them, and flash-attention builds that take ``s_aux`` / ``learnable_sink``; SDPA cannot.
 Kernels run unchanged: the Ulysses layer hands them the whole sequence, so the global mask is
 all they need.
 """
@@ -30,12 +33,17 @@ Kernel = Callable[..., torch.Tensor]
 _FLEX_BLOCK = 128  # flex_attention's default sparse block size
 
 
+SDPA_NO_SINKS = ("SDPA cannot apply attention sinks (it returns no log-sum-exp to renormalise with): load the model "
+                 "with attn_implementation='flex_attention' (GPU) or 'eager', or a flash-attention build whose "
+                 "varlen function takes s_aux / learnable_sink")
+
+
 def _repeat_kv(x_BkSH: torch.Tensor, n: int) -> torch.Tensor:
     k = x_BkSH.shape[1]
     return x_BkSH if k == n else x_BkSH.repeat_interleave(n // k, dim=1)
 
 
-def sdpa(q, k, v, mask: GlobalMask, *, scaling=None, sliding_window=None, softcap=None, dropout=0.0):
+def sdpa(q, k, v, mask: GlobalMask, *, scaling=None, sliding_window=None, softcap=None, dropout=0.0, sinks=None):
     """``torch.nn.functional.scaled_dot_product_attention``; no S x S mask on any path.
 
     1. plain causal (or nothing masked)    -> one call, ``is_causal`` (no mask tensor)
@@ -51,6 +59,8 @@ def sdpa(q, k, v, mask: GlobalMask, *, scaling=None, sliding_window=None, softca
     """
     if softcap is not None:
         raise ValueError("sdpa cannot apply attention logit softcapping; use 'eager', 'flex_attention' or flash-attention.")
+    if sinks is not None:
+        raise ValueError(SDPA_NO_SINKS)
     kw = dict(dropout_p=dropout, scale=scaling, enable_gqa=q.shape[1] != k.shape[1])
     S = q.shape[2]
     if sliding_window is not None and sliding_window < S:
@@ -110,8 +120,9 @@ def sdpa_windowed(q, k, v, mask: GlobalMask, window: int, *, block_rows: int, **
     return torch.cat(parts, dim=2)
 
 
-def eager(q, k, v, mask: GlobalMask, *, scaling=None, sliding_window=None, softcap=None, dropout=0.0):
-    """Explicit ``softmax(q k^T * scaling) v`` in fp32 softmax; supports softcapping.
+def eager(q, k, v, mask: GlobalMask, *, scaling=None, sliding_window=None, softcap=None, dropout=0.0, sinks=None):
+    """Explicit ``softmax(q k^T * scaling) v`` in fp32 softmax; supports softcapping and sinks (the
+    sink logit joins each row's softmax as one more column, which is then dropped).
 
     The small-S fallback: it builds the dense ``(B, 1, S, S)`` mask (:meth:`GlobalMask.dense`) and
     ``(B, n, S, S)`` scores, O(S^2) memory by nature. Use sdpa, flex or flash-attention for long S.
@@ -125,7 +136,12 @@ def eager(q, k, v, mask: GlobalMask, *, scaling=None, sliding_window=None, softc
     allowed = mask.dense(q.device, sliding_window)
     if allowed is not None:
         scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    if sinks is not None:
+        B, n, S, _ = scores.shape
+        column = sinks.to(torch.float32).view(1, n, 1, 1).expand(B, n, S, 1)
+        probs = torch.softmax(torch.cat([scores.float(), column], dim=-1), dim=-1)[..., :-1].to(q.dtype)
+    else:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     probs = F.dropout(probs, p=dropout, training=dropout > 0)
     return torch.matmul(probs, v).transpose(1, 2)
 
@@ -147,8 +163,12 @@ def _flex_function(device: torch.device) -> Callable:
     return _COMPILED_FLEX
 
 
-def flex_attention(q, k, v, mask: GlobalMask, *, scaling=None, sliding_window=None, softcap=None, dropout=0.0):
+def flex_attention(q, k, v, mask: GlobalMask, *, scaling=None, sliding_window=None, softcap=None, dropout=0.0,
+                   sinks=None):
     """``torch.nn.attention.flex_attention`` with a block mask (no S x S tensor). Forward-only on CPU.
+
+    Sinks: flex also returns each row's log-sum-exp ``L`` (differentiable), and the output is
+    renormalised as if the sink were one more logit: ``o * sigmoid(L - sink)`` (fp32 factor).
 
     The block mask comes from :meth:`GlobalMask.flex_blocks` (128 query rows at a time), not from
     ``create_block_mask``, which evaluates ``mask_mod`` on a dense ``(B, 1, S, S)`` grid. On CUDA
@@ -182,12 +202,43 @@ def flex_attention(q, k, v, mask: GlobalMask, *, scaling=None, sliding_window=No
     if softcap is not None:
         def score_mod(score, b, h, qi, ki):
             return torch.tanh(score / softcap) * softcap
-    o = _flex_function(q.device)(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scaling, enable_gqa=q.shape[1] != k.shape[1])
-    return o.transpose(1, 2)
+    kw = dict(score_mod=score_mod, block_mask=block_mask, scale=scaling, enable_gqa=q.shape[1] != k.shape[1])
+    if sinks is None:
+        return _flex_function(q.device)(q, k, v, **kw).transpose(1, 2)
+    from torch.nn.attention.flex_attention import AuxRequest
+
+    o, aux = _flex_function(q.device)(q, k, v, return_aux=AuxRequest(lse=True), **kw)
+    keep = torch.sigmoid(aux.lse.float() - sinks.float().view(1, -1, 1))  # (B, n, S): 1 - the sink's share
+    return (o * keep.unsqueeze(-1).to(o.dtype)).transpose(1, 2)
+
+
+def _flash_sink_name(function: Callable, module: str) -> str:
+    """The keyword under which ``function`` (a flash varlen function) takes per-head sink logits."""
+    import inspect
+
+    names = inspect.signature(function).parameters
+    for name in ("s_aux", "learnable_sink"):
+        if name in names:
+            return name
+    raise ValueError(f"{module}.flash_attn_varlen_func takes no attention sinks (no 's_aux' / 'learnable_sink' "
+                     "argument): load the model with attn_implementation='flex_attention' or 'eager', or install a "
+                     "flash-attention build with sinks.")
+
+
+def flash_supports_sinks(name: str) -> bool:
+    """Whether the installed package of flash kernel ``name`` takes attention sinks (False if not installed)."""
+    package = KERNELS[name][1]
+    if package is None or importlib.util.find_spec(package) is None:
+        return False
+    try:
+        _flash_sink_name(importlib.import_module(package).flash_attn_varlen_func, package)
+    except (ValueError, ImportError, AttributeError):
+        return False
+    return True
 
 
 def _flash_varlen(module: str):
-    def kernel(q, k, v, mask: GlobalMask, *, scaling=None, sliding_window=None, softcap=None, dropout=0.0):
+    def kernel(q, k, v, mask: GlobalMask, *, scaling=None, sliding_window=None, softcap=None, dropout=0.0, sinks=None):
         fa = importlib.import_module(module)
         B, n, S, H = q.shape
         cu, max_len = mask.cu_seqlens(B, q.device)
@@ -202,6 +253,8 @@ def _flash_varlen(module: str):
             kw["dropout_p"] = dropout
         elif dropout:
             raise ValueError("flash_attention_3 has no attention dropout; set attention_dropout=0.")
+        if sinks is not None:
+            kw[_flash_sink_name(fa.flash_attn_varlen_func, module)] = sinks.to(q.dtype)
         out = fa.flash_attn_varlen_func(*flat, cu, cu, max_len, max_len, **kw)
         out = out[0] if isinstance(out, tuple) else out
         return out.view(B, S, n, v.shape[3])

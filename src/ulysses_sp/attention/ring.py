@@ -350,11 +350,15 @@ class RingAttention:
         sliding_window: int | None = None,
         softcap: float | None = None,
         dropout: float = 0.0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``q (B,N,s,H)``, ``k (B,K,s,H)``, ``v (B,K,s,Hv)`` of my tokens -> ``o (B,s,N,Hv)``.
 
         ``mask`` is the GLOBAL mask (length ``S = s * P``); ``None`` means plain causal.
         """
+        if sinks is not None:
+            raise ValueError("RingAttention has no attention sinks; use sp_backend='ulysses' with "
+                             "attn_implementation='eager' or 'flex_attention' for models with sinks (GPT-OSS).")
         if softcap is not None or dropout:
             raise ValueError(
                 "RingAttention has no logit softcapping and no attention dropout; use UlyssesAttention with "

@@ -102,6 +102,7 @@ class UlyssesAttention:
         sliding_window: int | None = None,
         softcap: float | None = None,
         dropout: float = 0.0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attention of this rank's query tokens over the whole sequence.
 
@@ -110,6 +111,9 @@ class UlyssesAttention:
             k_BKsH, v_BKsH: ``(B, K, s, H)`` keys and ``(B, K, s, Hv)`` values of the same tokens.
             mask: the GLOBAL mask (length ``S = s * P``); ``None`` means plain causal.
             scaling, sliding_window, softcap, dropout: passed to the kernel unchanged.
+            sinks: ``(N,)`` per-head attention-sink logits of ALL heads (GPT-OSS style) or ``None``;
+                the kernel gets this rank's heads' slice, so each sink's gradient comes from the one
+                rank that holds its head (the gradient all-reduce over the group sums it).
 
         Returns:
             ``(B, s, N, Hv)``: attention output for this rank's tokens, all heads.
@@ -129,17 +133,28 @@ class UlyssesAttention:
                 "UlyssesSP.shard / ulysses_sp.shard_batch (it pads and ignores the padded labels)."
             )
         kw = {"scaling": scaling, "sliding_window": sliding_window, "softcap": softcap, "dropout": dropout}
+        if sinks is not None:
+            if self.ring is not None:
+                raise ValueError("attention sinks cannot run under Ulysses x ring (sp_size > num_attention_heads "
+                                 "or sp_ring_size > 1): use sp_size <= num_attention_heads and sp_ring_size=None.")
+            if sinks.shape != (N,):
+                raise ValueError(f"sinks must hold one logit per query head, shape ({N},); got {tuple(sinks.shape)}.")
 
-        def attend(q, k, v, part: HeadPlan | HeadChunk) -> torch.Tensor:
+        params = () if sinks is None else (sinks,)
+
+        def attend(q, k, v, part: HeadPlan | HeadChunk, params: tuple[torch.Tensor, ...] = params) -> torch.Tensor:
             if part.local_group_size(self.sp_rank) is None:  # 2. irregular kv grouping: one kv per q head
                 index = part.local_kv_index(self.sp_rank).to(k.device)
                 k, v = k.index_select(1, index), v.index_select(1, index)
-            return self.kernel(q, k, v, mask, **kw)  # 3.
+            if not params:
+                return self.kernel(q, k, v, mask, **kw)  # 3.
+            qa, qb = part.q_ranges[self.sp_rank]
+            return self.kernel(q, k, v, mask, sinks=params[0][qa:qb], **kw)  # 3. this rank's heads' sinks
 
         if self.a2a_size > 1 and plan.num_chunks(self.head_chunks) > 1:
             key = (N, plan.num_kv_heads)
             if key not in self._chunks:
                 self._chunks[key] = plan.chunks(self.head_chunks)
-            return head_chunked_attention(q_BNsH, k_BKsH, v_BKsH, self._chunks[key], self.sp_group, attend)
+            return head_chunked_attention(q_BNsH, k_BKsH, v_BKsH, self._chunks[key], self.sp_group, attend, params)
         q, k, v = seq_to_head_qkv(q_BNsH, k_BKsH, v_BKsH, plan, self.sp_group)  # 1.
         return head_to_seq_out(attend(q, k, v, plan), plan, self.sp_group)  # 4.

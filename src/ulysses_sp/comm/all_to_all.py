@@ -30,8 +30,9 @@ from torch.distributed import ProcessGroup
 from ulysses_sp.comm import layout
 from ulysses_sp.comm.layout import HeadChunk, HeadPlan
 
-Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, HeadChunk], torch.Tensor]
-"""``attend(q (B,n,S,H), k (B,k,S,H), v (B,k,S,Hv), chunk) -> o (B,S,n,Hv)`` for one chunk of heads."""
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, HeadChunk, tuple[torch.Tensor, ...]], torch.Tensor]
+"""``attend(q (B,n,S,H), k (B,k,S,H), v (B,k,S,Hv), chunk, params) -> o (B,S,n,Hv)`` for one chunk of
+heads; ``params``: the differentiable tensors besides q, k, v that attention reads (e.g. sinks)."""
 
 
 def _exchange(send: torch.Tensor, send_sizes: list[int], recv_sizes: list[int], group: ProcessGroup) -> torch.Tensor:
@@ -134,8 +135,11 @@ class _HeadChunkedAttention(torch.autograd.Function):
     anyway), so a kv head carried into the next chunk is not copied."""
 
     @staticmethod
-    def forward(ctx, q_BNsH, k_BKsH, v_BKsH, chunks: tuple[HeadChunk, ...], group: ProcessGroup, attend: Attend):
+    def forward(ctx, q_BNsH, k_BKsH, v_BKsH, chunks: tuple[HeadChunk, ...], group: ProcessGroup, attend: Attend,
+                *params: torch.Tensor):
         rank, P = dist.get_rank(group), len(chunks[0].q_ranges)
+        # the params as leaves of the chunks' graphs (shared by all chunks; their grads are summed in backward)
+        param_leaves = tuple(p.detach().requires_grad_(p.requires_grad) for p in params)
         B, N, s, H = q_BNsH.shape
         K, Hv = k_BKsH.shape[1], v_BKsH.shape[3]
         out: list[torch.Tensor] = []  # o (B,s,N,Hv), once the first chunk's output lands
@@ -159,7 +163,7 @@ class _HeadChunkedAttention(torch.autograd.Function):
             q, k, v = _receive_qkv(qkv.wait(), chunks, c, rank, kv, B, s, H, Hv)
             with torch.enable_grad():
                 leaves = tuple(t.requires_grad_() for t in (q, k, v))
-                o_BSnH = attend(q, k, v, chunk) if q.shape[1] else q.new_empty(B, P * s, 0, Hv)
+                o_BSnH = attend(q, k, v, chunk, param_leaves) if q.shape[1] else q.new_empty(B, P * s, 0, Hv)
             graphs.append((leaves, o_BSnH))
             recv_sizes = [B * s * (qb - qa) * Hv for qa, qb in chunk.q_ranges]
             sent = (_InFlight(layout.pack_out(o_BSnH.detach(), chunk), recv_sizes, group), chunk)
@@ -168,6 +172,7 @@ class _HeadChunkedAttention(torch.autograd.Function):
             out_prev = sent
         land_out(out_prev)
         ctx.chunks, ctx.group, ctx.graphs, ctx.dims = chunks, group, graphs, (B, N, K, s, H, Hv)
+        ctx.param_leaves = param_leaves
         return out[0]
 
     @staticmethod
@@ -188,13 +193,16 @@ class _HeadChunkedAttention(torch.autograd.Function):
                 grads.extend((buf.new_empty(B, N, s, H), buf.new_zeros(B, K, s, H), buf.new_zeros(B, K, s, Hv)))
             layout.unpack_qkv_grad(buf, sent[1], B, s, H, Hv, into=tuple(grads))
 
+        params = ctx.param_leaves
+        param_grads: list[torch.Tensor | None] = [None] * len(params)
         carry, grad_prev = None, None
         gout_next = send_gout(chunks[-1])
         for c in reversed(range(len(chunks))):
             chunk, gout = chunks[c], gout_next
             if c > 0:
                 gout_next = send_gout(chunks[c - 1])  # in flight while this chunk computes
-            dq, dk, dv = _chunk_grads(graphs, c, layout.unpack_out_grad(gout.wait(), chunk, rank, B, s, Hv))
+            dq, dk, dv, *dp = _chunk_grads(graphs, c, layout.unpack_out_grad(gout.wait(), chunk, rank, B, s, Hv), params)
+            param_grads = [a if b is None else b if a is None else a + b for a, b in zip(param_grads, dp)]
             if carry is not None:  # the next chunk read my last kv head without receiving it again
                 dk[:, -1:] += carry[0]
                 dv[:, -1:] += carry[1]
@@ -207,17 +215,21 @@ class _HeadChunkedAttention(torch.autograd.Function):
                 land_grads(grad_prev)
             grad_prev = sent
         land_grads(grad_prev)
-        ctx.graphs = None
-        return (*grads, None, None, None)
+        ctx.graphs, ctx.param_leaves = None, None
+        return (*grads, None, None, None, *param_grads)
 
 
-def _chunk_grads(graphs: list, c: int, go_BSnH: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Grads of chunk ``c``'s q, k, v from its kept graph; the graph is released."""
+def _chunk_grads(graphs: list, c: int, go_BSnH: torch.Tensor, params: tuple[torch.Tensor, ...] = ()) -> tuple:
+    """Grads of chunk ``c``'s q, k, v (and of ``params``, None where unused) from its kept graph,
+    which is released."""
     (q, k, v), o_BSnH = graphs[c]
     graphs[c] = None
     if not q.shape[1]:
-        return q.detach(), k.detach(), v.detach()
-    return torch.autograd.grad(o_BSnH, (q, k, v), go_BSnH)
+        return q.detach(), k.detach(), v.detach(), *([None] * len(params))
+    wanted = [p for p in params if p.requires_grad]
+    grads = list(torch.autograd.grad(o_BSnH, (q, k, v, *wanted), go_BSnH, allow_unused=True))
+    found = iter(grads[3:])
+    return *grads[:3], *(next(found) if p.requires_grad else None for p in params)
 
 
 def _receive_qkv(buf, chunks: tuple[HeadChunk, ...], c: int, rank: int, kv: list, B: int, s: int, H: int, Hv: int):
@@ -243,7 +255,7 @@ def _alias(view: torch.Tensor) -> torch.Tensor:
 
 def head_chunked_attention(
     q_BNsH: torch.Tensor, k_BKsH: torch.Tensor, v_BKsH: torch.Tensor, chunks: tuple[HeadChunk, ...],
-    group: ProcessGroup, attend: Attend,
+    group: ProcessGroup, attend: Attend, params: tuple[torch.Tensor, ...] = (),
 ) -> torch.Tensor:
     """``attend`` on all tokens, chunk by chunk of this rank's heads, exchanges overlapped with compute.
 
@@ -251,10 +263,13 @@ def head_chunked_attention(
         q_BNsH, k_BKsH, v_BKsH: this rank's shard, all heads (as :func:`seq_to_head_qkv`).
         chunks: ``HeadPlan(N, K, P).chunks(C)``: the heads each exchange moves.
         group: the sequence-parallel group (size >= 2).
-        attend: the attention of one chunk, ``(q (B,n,S,H), k, v, chunk) -> o (B,S,n,Hv)``;
+        attend: the attention of one chunk, ``(q (B,n,S,H), k, v, chunk, params) -> o (B,S,n,Hv)``;
             differentiable (its graph is kept per chunk and run backward chunk by chunk).
+        params: other tensors ``attend`` differentiates through (e.g. the ``(N,)`` attention
+            sinks); ``attend`` must read them from its ``params`` argument, not from a closure, or
+            their gradients are lost.
 
     Returns:
         ``o (B, s, N, Hv)``, the same as ``head_to_seq_out(attend(seq_to_head_qkv(...)))``.
     """
-    return _HeadChunkedAttention.apply(q_BNsH, k_BKsH, v_BKsH, chunks, group, attend)
+    return _HeadChunkedAttention.apply(q_BNsH, k_BKsH, v_BKsH, chunks, group, attend, *params)

@@ -31,7 +31,9 @@ from typing import Any
 import torch
 from transformers import AttentionInterface, PreTrainedModel
 
-from ulysses_sp.attention import KERNELS, GlobalMask, SPAttention, build_attention
+from ulysses_sp.attention import (
+    KERNELS, SDPA_NO_SINKS, GlobalMask, SPAttention, build_attention, flash_supports_sinks,
+)
 from ulysses_sp.comm.mesh import SPMesh
 from ulysses_sp.config import IGNORE_INDEX, UlyssesSPConfig, auto_ring_size
 from ulysses_sp.data import ShardedBatch, check_batch, shard_batch
@@ -118,10 +120,10 @@ def unsupported_reasons(
            and hasattr(m, "dt_proj") for m in modules):
         reasons.append("its attention adds a learned dynamic mask (Doge-style, computed from this rank's keys) "
                        "that the global mask cannot carry")
-    if any(getattr(m, "sinks", None) is not None for m in modules):
-        reasons.append("attention sinks (learned per-head logits) are not supported by the Ulysses kernels")
     ring = backend == "ring" or (backend == "ulysses" and N is not None and
                                   (ring_size or auto_ring_size(sp_size, N)) > 1)
+    if any(getattr(m, "sinks", None) is not None for m in modules):
+        reasons.extend(_sink_reasons(kernel, ring, backend))
     softcap = getattr(config, "attn_logit_softcapping", None)
     if ring and softcap:
         fix = ("use sp_size <= num_attention_heads (plain Ulysses) with attn_implementation='eager' (or flash / flex "
@@ -139,6 +141,19 @@ def unsupported_reasons(
                        "ring when sp_size > num_attention_heads) applies no attention dropout; set "
                        "config.attention_dropout = 0 or use sp_size <= num_attention_heads")
     return reasons
+
+
+def _sink_reasons(kernel: str, ring: bool, backend: str) -> list[str]:
+    """Why a model with attention sinks (GPT-OSS style) cannot run with ``kernel`` (empty: it can)."""
+    if ring:
+        fix = "sp_backend='ulysses'" if backend == "ring" else "sp_size <= num_attention_heads (plain Ulysses)"
+        return [f"the model has attention sinks, which ring attention cannot apply: use {fix}"]
+    if kernel in ("eager", "flex_attention") or (kernel.startswith("flash_attention") and flash_supports_sinks(kernel)):
+        return []
+    if kernel == "sdpa":
+        return [SDPA_NO_SINKS]
+    return [f"the model has attention sinks and the installed {kernel} takes none (no 's_aux' / 'learnable_sink'): "
+            "load it with attn_implementation='flex_attention' (GPU) or 'eager'"]
 
 
 def check_model_support(model: torch.nn.Module, config: UlyssesSPConfig) -> str:
@@ -401,8 +416,11 @@ class UlyssesSP:
             # eager matmuls would run in the autocast dtype, so exchange and attend in it
             dtype = torch.get_autocast_dtype(device_type)
             query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+        sinks = kwargs.get("s_aux")  # GPT-OSS style learned sink logits, one per query head
+        extra = {} if sinks is None else {"sinks": sinks}
         out = self.attention(
-            query, key, value, ulysses_mask, scaling=scaling, sliding_window=sliding_window, softcap=softcap, dropout=dropout
+            query, key, value, ulysses_mask, scaling=scaling, sliding_window=sliding_window, softcap=softcap,
+            dropout=dropout, **extra,
         )
         return out, None
 
