@@ -98,15 +98,21 @@ def gpu_tests(tmp: str, dry_run: bool, timeout_s: float) -> dict:
 CHECK_MODEL = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
                "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2,
                "head_dim": 32, "vocab_size": 1024, "max_position_embeddings": 4096, "tie_word_embeddings": False}
+SINKS_MODEL = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_size": 256,
+               "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2,
+               "head_dim": 32, "vocab_size": 1024, "max_position_embeddings": 4096, "tie_word_embeddings": False,
+               "sliding_window": 128, "num_local_experts": 4, "num_experts_per_tok": 2,
+               "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}  # attention sinks, MoE
 
 
 def cuda_check(tmp: str, dry_run: bool, timeout_s: float) -> dict:
     """``ulysses-sp check`` runs on the GPU: exit 0 (MATCH) for every case, the RESULT lines."""
-    config = os.path.join(tmp, "check_llama.json")
-    with open(config, "w") as f:
-        json.dump(CHECK_MODEL, f)
+    config, sinks_config = os.path.join(tmp, "check_llama.json"), os.path.join(tmp, "check_gpt_oss.json")
+    for path, model in ((config, CHECK_MODEL), (sinks_config, SINKS_MODEL)):
+        with open(path, "w") as f:
+            json.dump(model, f)
     device, seq = ("cpu", "64") if dry_run else ("cuda", "1024")
-    base = ["--model", config, "--random-init", "--device", device, "--seq-len", seq]
+    base = ["--random-init", "--device", device, "--seq-len", seq, "--model", config]
     cases = {"sdpa_packed_p2": ["--sp-size", "2", "--packed", "--attn-implementation", "sdpa"],
              "sdpa_padding_p2": ["--sp-size", "2", "--padding", "--attn-implementation", "sdpa"],
              "bf16_packed_p2": ["--sp-size", "2", "--packed", "--dtype", "bfloat16", "--attn-implementation", "sdpa"],
@@ -115,6 +121,8 @@ def cuda_check(tmp: str, dry_run: bool, timeout_s: float) -> dict:
         cases = dict(list(cases.items())[:2])
     else:  # flex_attention has no CPU backward
         cases["flex_packed_p2"] = ["--sp-size", "2", "--packed", "--attn-implementation", "flex_attention"]
+        cases["gpt_oss_sinks_flex_p2"] = ["--model", sinks_config, "--sp-size", "2", "--packed",  # overrides --model
+                                          "--attn-implementation", "flex_attention"]
     start, results = time.monotonic(), {}
     for name, flags in cases.items():
         left = timeout_s - (time.monotonic() - start)
@@ -170,11 +178,16 @@ def memory_ablation(tmp: str, dry_run: bool, gpus: int, timeout_s: float) -> dic
     return step
 
 
+STEPS = ("gpu_tests", "cuda_check", "bench", "memory_ablation")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="gpu_check.json", help="the results JSON (rewritten after every step)")
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes: check the script itself")
     parser.add_argument("--budget-s", type=float, default=480.0, help="total seconds for all steps (default 480)")
+    parser.add_argument("--steps", nargs="+", choices=STEPS, default=list(STEPS),
+                        help="run only these steps (default: all; environment is always recorded)")
     args = parser.parse_args(argv)
     import torch
 
@@ -192,9 +205,11 @@ def main(argv: list[str] | None = None) -> int:
              "cuda_check": (lambda tmp, t: cuda_check(tmp, args.dry_run, t), 0.5),
              "bench": (lambda tmp, t: bench(tmp, args.dry_run, gpus, t), 0.5),
              "memory_ablation": (lambda tmp, t: memory_ablation(tmp, args.dry_run, gpus, t), 1.0)}
+    steps = {name: steps[name] for name in args.steps}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, (step, share) in steps.items():
+        for i, (name, (step, share)) in enumerate(steps.items()):
             left = args.budget_s - (time.monotonic() - start)
+            share = 1.0 if i == len(steps) - 1 else share  # the last step run may use all the time left
             results["steps"][name] = step(tmp, share * left) if left > 10 else {"status": "skipped: no time left"}
             print(f"gpu_check: {name}: {results['steps'][name]['status']}", file=sys.stderr, flush=True)
             results["total_seconds"] = round(time.monotonic() - start, 1)

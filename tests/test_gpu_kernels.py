@@ -79,3 +79,24 @@ def test_cuda_kernel_materialises_no_scores(kernel):
     # one (S, S) bf16 matrix is 512 MiB and the scores of all heads 2 GiB; q/k/v/o and their
     # gradients are ~50 MiB: 256 MiB leaves room for kernel workspaces but not for any S x S tensor
     assert extra < 256 * 2**20, f"{kernel}: {extra / 2**20:.0f} MiB above the inputs at S={S}"
+
+
+@pytest.mark.parametrize("window", [None, 64])
+def test_cuda_flex_sinks_forward_and_backward_match_eager(window):
+    """Catches a flex sink renormalisation whose gradient is wrong on the device (the log-sum-exp
+    gradient of compiled flex, the sinks' own gradient): compiled flex with sinks against eager
+    with sinks in fp32, packed documents, output and the gradients of q, k, v and the sinks."""
+    B, n, k, S, H = 2, 8, 2, 512, 64
+    torch.manual_seed(0)
+    q, kk, v = (torch.randn(B, h, S, H, device="cuda", requires_grad=True) for h in (n, k, k))
+    sinks = torch.randn(n, device="cuda", requires_grad=True)
+    pos = torch.cat([torch.arange(200), torch.arange(312)]).expand(B, S).cuda()
+    mask = GlobalMask.from_position_ids(pos)
+    out = get_kernel("flex_attention")(q, kk, v, mask, sliding_window=window, sinks=sinks)
+    grads = torch.autograd.grad(out.square().sum(), (q, kk, v, sinks))
+    ref = get_kernel("eager")(q, kk, v, mask, sliding_window=window, sinks=sinks)
+    ref_grads = torch.autograd.grad(ref.square().sum(), (q, kk, v, sinks))
+    # fp32 on both sides (TF32 matmuls may be on): 1e-3 relative of O(1) values; a wrong sink is ~1e-1
+    torch.testing.assert_close(out, ref, rtol=1e-3, atol=1e-3)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g / r.abs().max(), r / r.abs().max(), rtol=0, atol=1e-3)

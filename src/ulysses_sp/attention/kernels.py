@@ -205,10 +205,14 @@ def flex_attention(q, k, v, mask: GlobalMask, *, scaling=None, sliding_window=No
     kw = dict(score_mod=score_mod, block_mask=block_mask, scale=scaling, enable_gqa=q.shape[1] != k.shape[1])
     if sinks is None:
         return _flex_function(q.device)(q, k, v, **kw).transpose(1, 2)
-    from torch.nn.attention.flex_attention import AuxRequest
-
-    o, aux = _flex_function(q.device)(q, k, v, return_aux=AuxRequest(lse=True), **kw)
-    keep = torch.sigmoid(aux.lse.float() - sinks.float().view(1, -1, 1))  # (B, n, S): 1 - the sink's share
+    try:
+        from torch.nn.attention.flex_attention import AuxRequest
+    except ImportError:  # torch < 2.9: the older keyword
+        o, lse = _flex_function(q.device)(q, k, v, return_lse=True, **kw)
+    else:
+        o, aux = _flex_function(q.device)(q, k, v, return_aux=AuxRequest(lse=True), **kw)
+        lse = aux.lse
+    keep = torch.sigmoid(lse.float() - sinks.float().view(1, -1, 1))  # (B, n, S): 1 - the sink's share
     return (o * keep.unsqueeze(-1).to(o.dtype)).transpose(1, 2)
 
 
