@@ -200,9 +200,10 @@ def main(argv: list[str] | None = None) -> int:
                "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "budget_s": args.budget_s, "environment": environment(), "steps": {}}
     # step -> (function, share of the time left it may use)
-    # shares sized from an H200 run: tests 49 s, ~27 s per check case, bench 65 s, ablation 88 s
-    steps = {"gpu_tests": (lambda tmp, t: gpu_tests(tmp, args.dry_run, t), 0.2),
-             "cuda_check": (lambda tmp, t: cuda_check(tmp, args.dry_run, t), 0.5),
+    # shares sized from H200 runs: tests ~105 s (flex compiles), ~27 s per sdpa check case and ~85 s per
+    # flex one (compiles on each rank), bench 65 s, ablation 88 s; --steps runs a subset with all the budget
+    steps = {"gpu_tests": (lambda tmp, t: gpu_tests(tmp, args.dry_run, t), 0.3),
+             "cuda_check": (lambda tmp, t: cuda_check(tmp, args.dry_run, t), 0.7),
              "bench": (lambda tmp, t: bench(tmp, args.dry_run, gpus, t), 0.5),
              "memory_ablation": (lambda tmp, t: memory_ablation(tmp, args.dry_run, gpus, t), 1.0)}
     steps = {name: steps[name] for name in args.steps}
