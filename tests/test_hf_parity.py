@@ -220,6 +220,12 @@ def test_unsupported_models_are_refused_at_registration():
                          num_key_value_heads=2)
     with pytest.raises(ValueError, match="learned dynamic mask"):  # a bias over the rank's own keys
         UlyssesSP(tf.AutoModelForCausalLM.from_config(doge), FakeMesh())
+    llama4 = tf.Llama4TextConfig(vocab_size=64, hidden_size=32, intermediate_size=32, intermediate_size_mlp=32,
+                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                 num_local_experts=2, attention_chunk_size=None, no_rope_layers=[0, 1],
+                                 attn_temperature_tuning=True)  # no chunked layers: only the NoPE query scale
+    with pytest.raises(ValueError, match="attention temperature tuning.*train it with sp_size=1"):
+        UlyssesSP(tf.Llama4ForCausalLM(llama4), FakeMesh())  # queries scaled by their LOCAL index (grads 7e-2 off)
     sp = UlyssesSP(tiny_model("llama"), FakeMesh())  # backstop at call time:
     q = torch.zeros(1, 8, 4, 8)  # a model-built mask tensor reaching the attention function is refused
     with pytest.raises(ValueError, match="passes its own attention mask"):

@@ -120,6 +120,13 @@ def unsupported_reasons(
            and hasattr(m, "dt_proj") for m in modules):
         reasons.append("its attention adds a learned dynamic mask (Doge-style, computed from this rank's keys) "
                        "that the global mask cannot carry")
+    if any(getattr(m, "attn_temperature_tuning", False) and not getattr(m, "use_rope", True) for m in modules):
+        reasons.append(
+            "its NoPE layers use attention temperature tuning (Llama 4 style), which scales each query by its index in "
+            "the sequence the layer sees (torch.arange over the local shard under SP, not the global position), so "
+            "SP would change what the model computes: train it with sp_size=1 (attn_temperature_tuning = False would "
+            "run, but is a different model than the one that was pretrained)"
+        )
     ring = backend == "ring" or (backend == "ulysses" and N is not None and
                                   (ring_size or auto_ring_size(sp_size, N)) > 1)
     if any(getattr(m, "sinks", None) is not None for m in modules):
