@@ -39,6 +39,16 @@ def tiny_config(family: str):
         return tf.NemotronConfig(**COMMON, num_attention_heads=8, num_key_value_heads=2), "sdpa"
     if family == "phi3":  # fused qkv projection
         return tf.Phi3Config(**COMMON, num_attention_heads=8, num_key_value_heads=4), "sdpa"
+    if family == "phi3_longrope":  # LongRoPE (Phi-3 128k style): short / long factors by sequence length
+        half = 4  # head_dim 8 / 2
+        rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * half,
+                "long_factor": [1.5, 3.0, 6.0, 12.0], "original_max_position_embeddings": 16}
+        return tf.Phi3Config(**{**COMMON, "max_position_embeddings": 64}, num_attention_heads=8, num_key_value_heads=4,
+                             original_max_position_embeddings=16, rope_parameters=rope), "sdpa"
+    if family == "llama_dynamic":  # dynamic NTK: frequencies recomputed for sequences past max_position_embeddings
+        rope = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
+        return tf.LlamaConfig(**{**COMMON, "max_position_embeddings": 16}, num_attention_heads=8, num_key_value_heads=2,
+                              rope_parameters=rope), "sdpa"
     if family == "gpt_oss":  # attention sinks (one learned logit per head), sliding/full layers, MoE, eager
         cfg = tf.GptOssConfig(**COMMON, num_attention_heads=6, num_key_value_heads=2, head_dim=16, sliding_window=6,
                               num_local_experts=4, num_experts_per_tok=2,
@@ -81,4 +91,7 @@ def tiny_batch(kind: str, seed: int = 1) -> dict:
         ids = torch.randint(1, 128, (1, 23), generator=gen)
         pos = torch.cat([torch.arange(9), torch.arange(5), torch.arange(9)])[None]
         return {"input_ids": ids, "position_ids": pos}
+    if kind == "packed_long":  # a 20-token document and a 4-token one: the row's largest position is 19
+        ids = torch.randint(1, 128, (1, 24), generator=gen)
+        return {"input_ids": ids, "position_ids": torch.cat([torch.arange(20), torch.arange(4)])[None]}
     raise KeyError(kind)

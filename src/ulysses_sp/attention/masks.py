@@ -51,12 +51,16 @@ class GlobalMask:
         document_ids: optional ``(B, S)`` ints; tokens only see keys of the same document.
         valid: optional ``(B, S)`` bool; ``False`` marks padding keys. A padding query sees only
             itself (finite output, ignored by the loss) so no row is fully masked.
+        max_position: the largest position id of the batch before it was padded for sharding
+            (``None``: unknown). RoPE variants that choose their frequencies from the sequence
+            length (dynamic NTK, LongRoPE) must see this, not their shard's largest position.
     """
 
     seq_len: int
     causal: bool = True
     document_ids: torch.Tensor | None = None
     valid: torch.Tensor | None = None
+    max_position: int | None = None
     _cache: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -71,12 +75,13 @@ class GlobalMask:
 
     @classmethod
     def from_position_ids(
-        cls, position_ids_BS: torch.Tensor, valid_BS: torch.Tensor | None = None, causal: bool = True
+        cls, position_ids_BS: torch.Tensor, valid_BS: torch.Tensor | None = None, causal: bool = True,
+        max_position: int | None = None,
     ) -> GlobalMask:
         """Mask of a (possibly packed) batch from its GLOBAL ``position_ids`` and padding mask."""
         doc = document_ids_from_position_ids(position_ids_BS)
         has_docs = bool((doc[:, -1] > 0).any())
-        return cls(position_ids_BS.shape[1], causal, doc if has_docs else None, valid_BS)
+        return cls(position_ids_BS.shape[1], causal, doc if has_docs else None, valid_BS, max_position)
 
     @property
     def is_plain_causal(self) -> bool:

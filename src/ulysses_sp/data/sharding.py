@@ -130,6 +130,7 @@ def shard_batch(
         shift_labels = shift_labels.masked_fill(attention_mask == 0, ignore_index)
 
     num_pad = -S % sp_size
+    max_position = int(position_ids.max())  # before the padding: what one process's RoPE would see
     valid = None if attention_mask is None else attention_mask.bool()
     if valid is not None and pad_token_id is None:
         # padding holds a real token of its row: masked out of attention and the loss either way, but
@@ -147,7 +148,7 @@ def shard_batch(
         if valid is None:
             valid = torch.ones(B, S, dtype=torch.bool, device=input_ids.device)
         valid = F.pad(valid, (0, num_pad), value=False)
-    mask = _global_mask(position_ids, valid)
+    mask = _global_mask(position_ids, valid, max_position)
 
     s = (S + num_pad) // sp_size
     local = slice(sp_rank * s, (sp_rank + 1) * s)
@@ -159,17 +160,17 @@ def shard_batch(
     )
 
 
-def _global_mask(position_ids: torch.Tensor, valid_BS: torch.Tensor | None) -> GlobalMask:
+def _global_mask(position_ids: torch.Tensor, valid_BS: torch.Tensor | None, max_position: int) -> GlobalMask:
     """Causal mask with the documents of ``(B, S)`` or MRoPE ``(R, B, S)`` positions (module docstring)."""
     if position_ids.dim() == 2:
-        return GlobalMask.from_position_ids(position_ids, valid_BS=valid_BS, causal=True)
+        return GlobalMask.from_position_ids(position_ids, valid_BS=valid_BS, causal=True, max_position=max_position)
     if position_ids.shape[0] == 4:  # row 0: text positions, as the VL text models use for their own mask
-        return GlobalMask.from_position_ids(position_ids[0], valid_BS=valid_BS, causal=True)
+        return GlobalMask.from_position_ids(position_ids[0], valid_BS=valid_BS, causal=True, max_position=max_position)
     starts_BS = (position_ids == 0).all(dim=0)
     starts_BS[:, 0] = True
     doc_BS = starts_BS.long().cumsum(dim=1) - 1
     has_docs = bool((doc_BS[:, -1] > 0).any())
-    return GlobalMask(position_ids.shape[-1], True, doc_BS if has_docs else None, valid_BS)
+    return GlobalMask(position_ids.shape[-1], True, doc_BS if has_docs else None, valid_BS, max_position)
 
 
 def _default_position_ids(input_ids_BS: torch.Tensor, attention_mask_BS: torch.Tensor | None) -> torch.Tensor:

@@ -38,6 +38,7 @@ from ulysses_sp.comm.mesh import SPMesh
 from ulysses_sp.config import IGNORE_INDEX, UlyssesSPConfig, auto_ring_size
 from ulysses_sp.data import ShardedBatch, check_batch, shard_batch
 from ulysses_sp.data.sharding import VISION_KEYS
+from ulysses_sp.integrations.rope import feed_global_length
 from ulysses_sp.integrations.hf_internals import (
     current_attn_implementation, dispatches_attention, unregister_attention_function,
 )
@@ -317,6 +318,8 @@ class UlyssesSP:
         if self.config.tiled_mlp_tokens is not None:
             apply_tiled_mlp(self.base, self.config.tiled_mlp_tokens)
         self._mixers = install_sp_mixers(self.base, self.mesh)
+        # dynamic NTK / LongRoPE: frequencies from the GLOBAL batch's largest position, not the shard's
+        self._rope_hooks = feed_global_length(self.base, lambda: self._call_mask) if self.mesh.sp_size > 1 else []
         return self
 
     def unregister(self) -> None:
@@ -341,6 +344,9 @@ class UlyssesSP:
         if self._vision_hook is not None:
             self._vision_hook.remove()
             self._vision_hook = None
+        for handle in getattr(self, "_rope_hooks", []):
+            handle.remove()
+        self._rope_hooks = []
         self._saved = None
 
     def _shard_merged_embeddings(self, module: torch.nn.Module, args: Any, kwargs: dict[str, Any]) -> Any:
