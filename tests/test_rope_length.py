@@ -64,3 +64,16 @@ def test_only_length_dependent_rotary_modules_are_hooked():
               for f in ("phi3_longrope", "llama_dynamic", "llama", "gemma3")}
     assert hooked == {"phi3_longrope": ["Phi3RotaryEmbedding"], "llama_dynamic": ["LlamaRotaryEmbedding"],
                       "llama": [], "gemma3": []}
+
+
+def test_check_reference_feeds_packed_documents_the_batch_length(tmp_path):
+    """Bug caught: ``ulysses-sp check --packed`` ran each reference document alone, so a LongRoPE
+    model's reference picked frequencies from each document's length while training (one call on
+    the packed row, and SP) uses the row's largest position: a false MISMATCH."""
+    from ulysses_sp.cli.check.engine import CheckOptions, run_check
+
+    config, _ = __import__("tiny_models").tiny_config("phi3_longrope")
+    config.save_pretrained(tmp_path)
+    report = run_check(CheckOptions(model=str(tmp_path / "config.json"), sp_size=2, seq_len=48, packed=True,
+                                    random_init=True))
+    assert report.comparison.ok, report.comparison

@@ -56,6 +56,7 @@ _LAZY = {
     "UlyssesTrainer": "ulysses_sp.integrations.trainer",
     "UlyssesTrainerMixin": "ulysses_sp.integrations.trainer",
     "UlyssesSFTTrainer": "ulysses_sp.integrations.trl",
+    "feed_global_length": "ulysses_sp.integrations.rope",
     "UlyssesAccelerate": "ulysses_sp.integrations.accelerate",
     "config_from_accelerate": "ulysses_sp.integrations.accelerate",
 }

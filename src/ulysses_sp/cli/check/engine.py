@@ -30,8 +30,8 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from ulysses_sp import (
-    IGNORE_INDEX, SPMesh, UlyssesSP, UlyssesSPConfig, check_model_support, global_num_items, local_backend, reported_loss,
-    spawn,
+    IGNORE_INDEX, GlobalMask, SPMesh, UlyssesSP, UlyssesSPConfig, check_model_support, feed_global_length,
+    global_num_items, local_backend, reported_loss, spawn,
 )
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -261,17 +261,28 @@ def _grads(model: PreTrainedModel, group: dist.ProcessGroup | None = None) -> di
 
 
 def _per_document_logits(model: PreTrainedModel, batch: CheckBatch) -> torch.Tensor:
-    """``(B, S, V)``: each document run alone (B=1, no mask), padding positions zero."""
+    """``(B, S, V)``: each document run alone (B=1, no mask), padding positions zero.
+
+    A rotary embedding that picks its frequencies from the sequence length (LongRoPE, dynamic NTK)
+    is fed the batch's largest position, as in padding-free training where one call sees the
+    whole packed batch (``feed_global_length``), not each document's own length.
+    """
     ids = batch.tensors["input_ids"]
+    row_length = GlobalMask(ids.shape[1], max_position=int(batch.tensors["position_ids"].max()))
+    hooks = feed_global_length(model, lambda: row_length)
     rows = []
-    for b, documents in enumerate(batch.documents):
-        pieces, cursor = [], 0
-        for a, e in documents:
-            pieces.append(model(input_ids=ids[b : b + 1, a:e], use_cache=False).logits)
-            cursor = e
-        logits = torch.cat(pieces, dim=1)
-        before, after = documents[0][0], ids.shape[1] - cursor
-        rows.append(F.pad(logits, (0, 0, before, after)))
+    try:
+        for b, documents in enumerate(batch.documents):
+            pieces, cursor = [], 0
+            for a, e in documents:
+                pieces.append(model(input_ids=ids[b : b + 1, a:e], use_cache=False).logits)
+                cursor = e
+            logits = torch.cat(pieces, dim=1)
+            before, after = documents[0][0], ids.shape[1] - cursor
+            rows.append(F.pad(logits, (0, 0, before, after)))
+    finally:
+        for hook in hooks:
+            hook.remove()
     return torch.cat(rows, dim=0)
 
 
