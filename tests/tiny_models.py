@@ -49,6 +49,13 @@ def tiny_config(family: str):
         rope = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
         return tf.LlamaConfig(**{**COMMON, "max_position_embeddings": 16}, num_attention_heads=8, num_key_value_heads=2,
                               rope_parameters=rope), "sdpa"
+    if family == "mixtral_aux":  # MoE trained with the router load-balancing loss (output_router_logits=True)
+        return tf.MixtralConfig(**COMMON, num_attention_heads=8, num_key_value_heads=2, num_local_experts=4,
+                                num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.5), "sdpa"
+    if family == "qwen3_moe_aux":
+        return tf.Qwen3MoeConfig(**COMMON, num_attention_heads=8, num_key_value_heads=2, head_dim=8, num_experts=4,
+                                 num_experts_per_tok=2, moe_intermediate_size=32, output_router_logits=True,
+                                 router_aux_loss_coef=0.5), "sdpa"
     if family == "gpt_oss":  # attention sinks (one learned logit per head), sliding/full layers, MoE, eager
         cfg = tf.GptOssConfig(**COMMON, num_attention_heads=6, num_key_value_heads=2, head_dim=16, sliding_window=6,
                               num_local_experts=4, num_experts_per_tok=2,

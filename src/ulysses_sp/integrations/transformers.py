@@ -43,6 +43,7 @@ from ulysses_sp.integrations.hf_internals import (
     current_attn_implementation, dispatches_attention, unregister_attention_function,
 )
 from ulysses_sp.loss import sp_token_loss, tiled_token_loss
+from ulysses_sp.loss.router_aux import aux_from_sums, router_sums, sp_router_aux_loss
 from ulysses_sp.memory import ActivationOffload, apply_tiled_mlp, remove_tiled_mlp
 from ulysses_sp.mixers import install_sp_mixers, unsupported_mixer_reasons
 
@@ -276,6 +277,7 @@ class UlyssesSP:
         self._mask_hook: Any = None
         self._vision_hook: Any = None
         self._call_mask: GlobalMask | None = None  # ulysses_mask of the model call in progress
+        self._aux_checked = False  # router_aux_loss has compared its formula with the model's own aux loss
 
     # registration -------------------------------------------------------------------------
     def wrap_attention(self, wrapper: Callable[[AttentionFunction], AttentionFunction]) -> UlyssesSP:
@@ -525,9 +527,10 @@ class UlyssesSP:
         Final logit softcapping (Gemma2) and an lm_head bias are applied inside the tiles.
         """
         tile_tokens = self.config.tiled_loss_tokens
-        if tile_tokens is None:
-            return self.loss(model(**self.model_inputs(batch)).logits, batch, num_items_in_batch, grad_average_world)
         world = grad_average_world if grad_average_world is not None else self.mesh.dp_size * self.mesh.sp_size
+        if tile_tokens is None:
+            output = model(**self.model_inputs(batch))
+            return self.loss(output.logits, batch, num_items_in_batch, world) + self.router_aux_loss(output, batch, world)
         softcap = getattr(self.base.config.get_text_config(), "final_logit_softcapping", None)
         head = self.base.get_output_embeddings()
         losses: list[torch.Tensor] = []
@@ -546,7 +549,44 @@ class UlyssesSP:
                 f"tiled_loss_tokens: {type(self.base).__name__} called its lm_head {len(losses)} times in one forward; "
                 "only causal LMs that apply lm_head once to the final hidden states can tile the loss."
             )
-        return losses[0] + output.logits.sum() * 0
+        return losses[0] + output.logits.sum() * 0 + self.router_aux_loss(output, batch, world)
+
+    def router_aux_loss(self, output: Any, batch: Mapping[str, Any], grad_average_world: int) -> torch.Tensor | float:
+        """``router_aux_loss_coef`` x this rank's share of the MoE load-balancing loss of the SP group's tokens.
+
+        For MoE models with ``output_router_logits=True`` (0 otherwise): the model's own ``aux_loss``
+        would be the loss of this shard's tokens, a different (nonlinear) function; the shares of
+        :func:`~ulysses_sp.loss.sp_router_aux_loss` sum to the one-process value. Scaled by
+        ``grad_average_world`` as the token loss is, so the gradient average over the world gives
+        ``coef * grad(aux)`` (summed over data-parallel replicas, as transformers' Trainer does).
+        The first call checks that the model's own aux loss is this formula on the shard (else
+        ``ValueError``: a family with another load-balancing rule).
+        """
+        text = self.base.config.get_text_config()
+        coef = float(getattr(text, "router_aux_loss_coef", 0.0) or 0.0)
+        logits = getattr(output, "router_logits", None)
+        if not coef or not getattr(text, "output_router_logits", False) or not logits:
+            return 0.0
+        logits = tuple(t.reshape(-1, t.shape[-1]) for t in logits if t is not None)
+        top_k = getattr(text, "num_experts_per_tok", None)
+        own = getattr(output, "aux_loss", None)
+        if not self._aux_checked and isinstance(own, torch.Tensor):
+            with torch.no_grad():
+                local = aux_from_sums(*router_sums(logits, top_k or 0, None)) if top_k else None
+            if local is None or not torch.allclose(local, own.detach().float(), rtol=1e-4, atol=1e-6):
+                raise ValueError(
+                    f"{type(self.base).__name__}'s router aux loss is not the Switch-style load-balancing loss "
+                    "UlyssesSP computes over the whole sequence (E * sum(top-k fraction * mean router probability) "
+                    f"with top_k = config.num_experts_per_tok = {top_k}); set config.output_router_logits = False "
+                    "or router_aux_loss_coef = 0 to train it sequence-parallel."
+                )
+            self._aux_checked = True
+        mask: GlobalMask = batch["ulysses_mask"]
+        s = batch["shift_labels"].shape[-1]
+        r = self.mesh.sp_rank if self.mesh.sp_size > 1 else 0
+        valid = None if mask.valid is None else mask.valid[:, r * s : (r + 1) * s].reshape(-1)
+        group = self.mesh.sp_group if self.mesh.sp_size > 1 else None
+        return coef * sp_router_aux_loss(logits, top_k, valid, group) * grad_average_world
 
 
 @contextlib.contextmanager

@@ -9,9 +9,13 @@ Main entry points:
     tiled_token_loss(hidden, lm_head_weight, shift_labels, num_items_in_batch, grad_average_world=W)
                                             sp_token_loss of lm_head(hidden), tile by tile, never
                                             materialising the full (B, s, V) logits
+    sp_router_aux_loss(router_logits, top_k, valid, group)
+                                            this rank's share of the MoE load-balancing loss of
+                                            the whole sequence
 """
 
 from ulysses_sp.loss.cross_entropy import global_num_items, reported_loss, sp_token_loss
+from ulysses_sp.loss.router_aux import sp_router_aux_loss
 from ulysses_sp.loss.tiled import tiled_token_loss
 
-__all__ = ["global_num_items", "reported_loss", "sp_token_loss", "tiled_token_loss"]
+__all__ = ["global_num_items", "reported_loss", "sp_router_aux_loss", "sp_token_loss", "tiled_token_loss"]
