@@ -49,6 +49,10 @@ def tiny_config(family: str):
         rope = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
         return tf.LlamaConfig(**{**COMMON, "max_position_embeddings": 16}, num_attention_heads=8, num_key_value_heads=2,
                               rope_parameters=rope), "sdpa"
+    if family == "cohere":  # logits multiplied by logit_scale after lm_head (Command-R)
+        return tf.CohereConfig(**COMMON, num_attention_heads=8, num_key_value_heads=2, logit_scale=0.25), "sdpa"
+    if family == "granite":  # logits divided by logits_scaling after lm_head
+        return tf.GraniteConfig(**COMMON, num_attention_heads=8, num_key_value_heads=2, logits_scaling=8.0), "sdpa"
     if family == "mixtral_aux":  # MoE trained with the router load-balancing loss (output_router_logits=True)
         return tf.MixtralConfig(**COMMON, num_attention_heads=8, num_key_value_heads=2, num_local_experts=4,
                                 num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.5), "sdpa"

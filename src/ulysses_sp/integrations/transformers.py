@@ -532,13 +532,17 @@ class UlyssesSP:
             output = model(**self.model_inputs(batch))
             return self.loss(output.logits, batch, num_items_in_batch, world) + self.router_aux_loss(output, batch, world)
         softcap = getattr(self.base.config.get_text_config(), "final_logit_softcapping", None)
+        scale = _logit_multiplier(self.base)
         head = self.base.get_output_embeddings()
         losses: list[torch.Tensor] = []
 
         def tiled_head(hidden_BsD: torch.Tensor) -> torch.Tensor:
+            bias = head.bias
+            if scale != 1.0:  # the model scales lm_head's output: (W h + b) * c = W (c h) + c b
+                hidden_BsD, bias = hidden_BsD * scale, None if bias is None else bias * scale
             losses.append(tiled_token_loss(
                 hidden_BsD, head.weight, batch["shift_labels"], num_items_in_batch, grad_average_world=world,
-                tile_tokens=tile_tokens, lm_head_bias=head.bias, final_logit_softcapping=softcap,
+                tile_tokens=tile_tokens, lm_head_bias=bias, final_logit_softcapping=softcap,
             ))
             return losses[-1].view(1, 1, 1).clone()  # not a view: wrappers hook the output's backward
 
@@ -549,6 +553,7 @@ class UlyssesSP:
                 f"tiled_loss_tokens: {type(self.base).__name__} called its lm_head {len(losses)} times in one forward; "
                 "only causal LMs that apply lm_head once to the final hidden states can tile the loss."
             )
+        _check_logit_transform(self.base, losses[0], output.logits, scale, softcap)
         return losses[0] + output.logits.sum() * 0 + self.router_aux_loss(output, batch, world)
 
     def router_aux_loss(self, output: Any, batch: Mapping[str, Any], grad_average_world: int) -> torch.Tensor | float:
@@ -587,6 +592,45 @@ class UlyssesSP:
         valid = None if mask.valid is None else mask.valid[:, r * s : (r + 1) * s].reshape(-1)
         group = self.mesh.sp_group if self.mesh.sp_size > 1 else None
         return coef * sp_router_aux_loss(logits, top_k, valid, group) * grad_average_world
+
+
+def _logit_multiplier(base: PreTrainedModel) -> float:
+    """The constant the model multiplies lm_head's output by before the loss (1.0: none).
+
+    Cohere / Command-R: ``model.logit_scale``; Granite families: ``1 / config.logits_scaling``.
+    The tiled loss must apply it inside its tiles; :func:`_check_logit_transform` catches any
+    other transform of the logits after the first tiled forward.
+    """
+    scale = getattr(base, "logit_scale", None)
+    if isinstance(scale, (int, float)) and not isinstance(scale, bool):
+        return float(scale)
+    text = base.config.get_text_config()
+    if str(getattr(text, "model_type", "")).startswith("granite") and getattr(text, "logits_scaling", None):
+        return 1.0 / float(text.logits_scaling)
+    return 1.0
+
+
+def _check_logit_transform(
+    base: PreTrainedModel, returned: torch.Tensor, logits: torch.Tensor, scale: float, softcap: float | None
+) -> None:
+    """Raise if the model transformed lm_head's output other than the tiled loss assumed.
+
+    The tiled head returns the loss ``v`` in place of the logits; the model's own post-processing
+    turns it into ``logits``. Expected: ``v * scale``, softcapped when ``final_logit_softcapping``.
+    Anything else (another multiplier, an offset, a nonlinearity) is a logit transform the tiles
+    did not apply, which would train silently wrong.
+    """
+    with torch.no_grad():
+        expected = returned.detach().float() * scale
+        if softcap is not None:
+            expected = torch.tanh(expected / softcap) * softcap
+        found = logits.detach().float().reshape(-1)
+        if found.numel() != 1 or not torch.allclose(found[0], expected, rtol=1e-4, atol=1e-6):
+            raise ValueError(
+                f"tiled_loss_tokens: {type(base).__name__} transforms lm_head's output before the loss (it returned "
+                f"{found.tolist()[:4]} for {float(returned):.6g}, expected {float(expected):.6g}), which the tiled "
+                "loss cannot reproduce; unset tiled_loss_tokens for this model."
+            )
 
 
 @contextlib.contextmanager
