@@ -50,6 +50,8 @@ SCENARIOS: dict[str, dict[str, Any]] = {  # name -> CheckOptions fields (besides
     "plain": {"seq_len": 24},
     "padded+packed": {"seq_len": 23, "padding": True, "packed": True},  # S % P != 0, 2 rows, <= 3 docs each
 }
+if os.environ.get("MODEL_FAMILIES_MEMORY") == "1":  # --memory-features: the SP run tiles loss and MLPs
+    SCENARIOS = {name: {**fields, "tiled_loss_tokens": 5, "tiled_mlp_tokens": 3} for name, fields in SCENARIOS.items()}
 MAX_PARAMS = 20_000_000  # a tiny config is ~0.1-2M parameters; more means the shrinking missed a size field
 
 # 1. tiny configs ---------------------------------------------------------------------------------
@@ -500,13 +502,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sp-size", type=int, default=2,
                         help="ranks per check (default 2; e.g. 8 > the tiny configs' 4 heads checks Ulysses x ring); "
                         "the docs table is written for 2 only")
+    parser.add_argument("--memory-features", action="store_true",
+                        help="the SP runs use the tiled loss (5 tokens) and tiled MLPs (3 tokens); not for --write")
     parser.add_argument("--_worker", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args._worker is not None:  # its sp_size comes from the environment (set below by the parent)
         _worker_main(args._worker)
         return 0
-    if args.write and args.sp_size != 2:
-        parser.error("--write records the sp_size 2 table; run other sizes without --write")
+    if args.write and (args.sp_size != 2 or args.memory_features):
+        parser.error("--write records the sp_size 2 table without memory features; run the others without --write")
+    if args.memory_features:
+        os.environ["MODEL_FAMILIES_MEMORY"] = "1"  # the workers started below inherit it
     os.environ["MODEL_FAMILIES_SP_SIZE"] = str(args.sp_size)  # the workers started below inherit it
     globals()["SP_SIZE"] = args.sp_size
     import torch

@@ -26,6 +26,18 @@ def test_check_command_matches_on_packed_odd_length_batch(llama_dir, capsys):
     assert "loss" in out and "grads (21 tensors)" in out and "12 tokens per rank (S padded to 24)" in out
 
 
+def test_check_with_memory_features_matches_and_refuses_bad_tile_sizes(llama_dir, capsys):
+    """Catches the tiled loss / tiled MLP flags not reaching the SP run (the report names them and
+    the run still matches) and a zero tile size being spawned instead of refused."""
+    code = main(["check", str(llama_dir), "--sp-size", "2", "--padding", "--seq-len", "23",
+                 "--tiled-loss-tokens", "5", "--tiled-mlp-tokens", "3"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "RESULT: MATCH" in out and "SP memory features: tiled loss 5, tiled MLP 3" in out
+    assert main(["check", str(llama_dir), "--sp-size", "2", "--tiled-mlp-tokens", "0"]) == 2
+    assert "--tiled-mlp-tokens must be >= 1, got 0" in capsys.readouterr().err
+
+
 def _fake_results(seed=0):
     g = torch.Generator().manual_seed(seed)
     grads = {"embed.weight": torch.randn(16, 8, generator=g), "layers.0.q_proj.weight": torch.randn(8, 8, generator=g)}

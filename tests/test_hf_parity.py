@@ -48,14 +48,14 @@ def sp_run(family, kind, mesh, checkpointing=False, tiled_mlp_tokens=None, tiled
     with UlyssesSP(model, mesh, config) as sp:
         if expect_ring is not None:  # the Ulysses x ring split that was chosen (all-to-all degree x ring)
             assert (sp.attention.a2a_size, sp.attention.ring_size) == expect_ring
-        num_tiled = sum(type(m).__name__ == "TiledMLP" for m in model.modules())
+        num_tiled = sum(type(m).__name__ in ("TiledMLP", "TiledMoE") for m in model.modules())
         assert num_tiled == (model.config.num_hidden_layers if tiled_mlp_tokens else 0)
         shard = sp.shard(tiny_batch(kind))
         num_items = global_num_items(shard["shift_labels"], mesh.sp_group)
         loss = sp.forward_loss(model, shard, num_items, grad_average_world=mesh.sp_size)  # grads averaged over SP below
         loss.backward()
     assert model.config._attn_implementation == tiny_model(family).config._attn_implementation  # unregistered
-    assert all(type(m).__name__ != "TiledMLP" for m in model.modules())  # tiled MLPs removed again
+    assert all(type(m).__name__ not in ("TiledMLP", "TiledMoE") for m in model.modules())  # tiled MLPs removed again
     grads = {}
     for name, p in model.named_parameters():
         dist.all_reduce(p.grad, group=mesh.sp_group)
@@ -161,6 +161,8 @@ def _worker(rank, world):
         check("gemma2", "padding", mesh, checkpointing=True, tiled_mlp_tokens=4, tiled_loss_tokens=7)  # final softcap
         check("llama", "packed", mesh, tiled_loss_tokens=5)
         check("gpt_oss", "packed", mesh, head_chunks=3)  # sinks read inside the chunked pipeline keep their grads
+        check("gpt_oss", "padding", mesh, tiled_mlp_tokens=3)  # its MoE block returns (hidden, router scores)
+        check("gpt2", "padding", mesh, tiled_mlp_tokens=4)  # B=2: a sequence tile is strided; Conv1D uses .view
         check_eval("qwen2", "packed", mesh)
         check_lora("llama", "padding", mesh)
         model = tiny_model("llama")

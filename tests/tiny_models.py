@@ -65,6 +65,10 @@ def tiny_config(family: str):
                               num_local_experts=4, num_experts_per_tok=2,
                               rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
         return cfg, "eager"
+    if family == "gpt2":  # Conv1D projections that flatten with .view, learned absolute positions, MHA
+        return tf.GPT2Config(vocab_size=128, n_embd=64, n_head=8, n_layer=2, n_positions=256, n_inner=96,
+                             pad_token_id=0, tie_word_embeddings=False, resid_pdrop=0.0, embd_pdrop=0.0,
+                             attn_pdrop=0.0), "sdpa"  # no dropout: both runs deterministic
     raise KeyError(family)
 
 

@@ -87,7 +87,9 @@ def _tiled_forward(ctx, fn: Callable, x: torch.Tensor, tile: int, dim: int, para
     ctx.zero_params = next((p for p in params if isinstance(p, ZeroParams)), ())
     ctx.save_for_backward(x, *(p for p in params if isinstance(p, torch.Tensor)))
     with torch.no_grad():
-        tiles = [fn(x_tile) for x_tile in x.split(tile, dim=dim)]
+        # contiguous: a sequence tile of a (B > 1, s, D) batch is strided, and MLPs that flatten with
+        # .view (GPT-2's Conv1D) would fail on it
+        tiles = [fn(x_tile.contiguous()) for x_tile in x.split(tile, dim=dim)]
     return tuple(torch.cat(parts, dim=dim) for parts in zip(*tiles))
 
 
@@ -106,7 +108,7 @@ def _tiled_backward(ctx, grads_out: Sequence[torch.Tensor | None], first_param_i
     tiles = x.split(ctx.tile, dim=ctx.dim)
     for i, x_tile in enumerate(tiles):
         start, length = i * ctx.tile, x_tile.shape[ctx.dim]
-        x_t = x_tile.detach().requires_grad_(need_dx)
+        x_t = x_tile.detach().contiguous().requires_grad_(need_dx)
         with torch.enable_grad(), torch.autocast(device_type, enabled=autocast_on, dtype=autocast_dtype):
             outs = ctx.fn(x_t)
         pairs = [(o, g.narrow(ctx.dim, start, length)) for o, g in zip(outs, grads_out)

@@ -29,13 +29,27 @@ collectives. Router jitter noise (random) cannot be recomputed and is refused.
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
 from torch import nn
 
 from ulysses_sp.memory.tiled_mlp import TiledMLP, TiledTokensFunction, grad_params
+
+
+def _per_token(extra: Any, t: int, block: str) -> tuple[torch.Tensor, bool]:
+    """A further block output as ``(t, ...)`` rows of the tile's tokens, and whether the block gave
+    it with a batch dimension ``(1, t, ...)`` (else ``ValueError``)."""
+    if isinstance(extra, torch.Tensor) and extra.dim() >= 2 and extra.shape[:2] == (1, t):
+        return extra.reshape(t, *extra.shape[2:]), True
+    if isinstance(extra, torch.Tensor) and extra.dim() >= 1 and extra.shape[0] == t:
+        return extra, False
+    raise ValueError(
+        f"tiled MoE: {block} returns {type(extra).__name__} "
+        f"{tuple(extra.shape) if isinstance(extra, torch.Tensor) else ''} besides its hidden states, not one row per "
+        "token, so it cannot be tiled; do not tile the MLPs of this model (tiled_mlp_tokens=None)."
+    )
 
 
 @contextmanager
@@ -75,6 +89,10 @@ class TiledMoE(TiledMLP):
                 "recompute; set config.router_jitter_noise = 0 or do not tile the MLPs of this model."
             )
         super().__init__(block, tile_tokens)
+        # the block's output form, seen at its first tile: a tuple?, and per further output whether it
+        # carries a batch dimension (B, s, ...) or is flat over tokens (B * s, ...)
+        self._returns_tuple = False
+        self._extra_batched: tuple[bool, ...] = ()
 
     @property
     def router(self) -> nn.Module | None:
@@ -82,34 +100,46 @@ class TiledMoE(TiledMLP):
         state_dict keys and hooks)."""
         return router_of(self.mlp)
 
-    def forward(self, x_BsD: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BsD: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
         B, s, D = x_BsD.shape
         x_TD, params = grad_params(self.mlp, x_BsD.reshape(B * s, D))
         tile = max(1, B * self.tile_tokens)
-        if self.router is None:
-            (y_TD,) = TiledTokensFunction.apply(self._tile_fn, x_TD, tile, 0, *params)
-            return y_TD.view(B, s, D)
-        y_TD, logits_TE = TiledTokensFunction.apply(self._tile_fn, x_TD, tile, 0, *params)
-        self._emit_router_hooks(x_TD, logits_TE)
-        return y_TD.view(B, s, D)
+        outs = TiledTokensFunction.apply(self._tile_fn, x_TD, tile, 0, *params)
+        extras = tuple(e.view(B, s, *e.shape[1:]) if batched else e
+                       for e, batched in zip(outs[1 : 1 + len(self._extra_batched)], self._extra_batched))
+        y_BsD = outs[0].view(B, s, D)
+        if self.router is not None:
+            self._emit_router_hooks(x_TD, outs[-1])
+        return (y_BsD, *extras) if self._returns_tuple else y_BsD
 
     def _tile_fn(self, x_tD: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The block on one tile (as a batch of one sequence): ``(y_tD,)`` or ``(y_tD, logits_tE)``."""
-        if self.router is None:
-            return (self.mlp(x_tD.unsqueeze(0)).reshape(x_tD.shape),)
+        """The block on one tile (as a batch of one sequence): ``(y_tD, *extras, [logits_tE])``.
+
+        ``extras``: the block's further per-token outputs when it returns a tuple (GPT-OSS returns
+        ``(hidden, router_scores (t, E))``), concatenated over tiles like ``y``; ``logits_tE`` the
+        router output captured at the router (its hooks run once, on all tokens, in forward).
+        """
         captured: list[torch.Tensor] = []
 
         def capture(module: nn.Module, args: Any, output: Any) -> None:
             captured.append(output[0] if isinstance(output, tuple) else output)
 
-        with _forward_hooks_replaced(self.router, capture):
-            y_tD = self.mlp(x_tD.unsqueeze(0)).reshape(x_tD.shape)
+        with _forward_hooks_replaced(self.router, capture) if self.router is not None else nullcontext():
+            out = self.mlp(x_tD.unsqueeze(0))
+        self._returns_tuple = isinstance(out, tuple)
+        y, extras = (out[0], out[1:]) if self._returns_tuple else (out, ())
+        t = x_tD.shape[0]
+        per_token = [_per_token(e, t, type(self.mlp).__name__) for e in extras]
+        extras = tuple(e for e, _ in per_token)
+        self._extra_batched = tuple(batched for _, batched in per_token)
+        if self.router is None:
+            return (y.reshape(x_tD.shape), *extras)
         if len(captured) != 1:
             raise ValueError(
                 f"tiled MoE: the router of {type(self.mlp).__name__} ran {len(captured)} times per block call; "
                 "only blocks that route once (Mixtral / Qwen-MoE style) can be tiled."
             )
-        return y_tD, captured[0].reshape(x_tD.shape[0], -1)
+        return (y.reshape(x_tD.shape), *extras, captured[0].reshape(t, -1))
 
     def _emit_router_hooks(self, x_TD: torch.Tensor, logits_TE: torch.Tensor) -> None:
         """Call the router's forward hooks once, as the untiled block would (output index 0 = logits)."""

@@ -37,6 +37,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attn-implementation", default=None,
                         help="sdpa, eager, flex_attention, flash_attention_2 ... (default: the model's own)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the batch and of random weights (default 0)")
+    parser.add_argument("--tiled-loss-tokens", type=int, default=None,
+                        help="the SP run computes lm_head + loss in tiles of this many tokens (default: untiled)")
+    parser.add_argument("--tiled-mlp-tokens", type=int, default=None,
+                        help="the SP run computes the MLPs in tiles of this many tokens (default: untiled)")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                         help="where both runs compute (default auto: CUDA with NCCL when there is a GPU per rank, "
                         "else CPU). cuda with fewer GPUs than --sp-size: the ranks share them over gloo (each holds "
@@ -57,6 +61,8 @@ def format_report(report: CheckReport) -> str:
         f"padding {padding}",
         f"  SP: P={P} {report.backend} processes, {s} tokens per rank (S padded to {s * P}); "
         f"time: reference {report.ref_seconds:.1f} s, SP {report.sp_seconds:.1f} s (with process start)",
+        *([f"  SP memory features: tiled loss {o.tiled_loss_tokens or 'off'}, tiled MLP {o.tiled_mlp_tokens or 'off'}"
+           " (tokens per tile)"] if o.tiled_loss_tokens or o.tiled_mlp_tokens else []),
         "",
         f"  {'quantity':<22}{'reference':>14}{'SP':>14}{'abs diff':>11}{'rel diff':>11}{'tolerance':>11}  result",
         f"  {'loss':<22}{c.loss_ref:>14.6f}{c.loss_sp:>14.6f}{c.loss_abs:>11.2e}{c.loss_rel:>11.2e}"
@@ -84,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
         model=model, sp_size=args.sp_size, random_init=args.random_init, dtype=args.dtype,
         batch_size=args.batch_size, seq_len=args.seq_len, padding=args.padding, packed=args.packed,
         attn_implementation=args.attn_implementation, seed=args.seed, sp_ring_size=args.sp_ring_size,
-        device=args.device,
+        device=args.device, tiled_loss_tokens=args.tiled_loss_tokens, tiled_mlp_tokens=args.tiled_mlp_tokens,
     )
     try:
         report = run_check(options)

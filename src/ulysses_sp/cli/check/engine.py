@@ -57,6 +57,8 @@ class CheckOptions:
     seed: int = 0
     sp_ring_size: int | None = None  # Ulysses x ring degree (None: automatic, 1 while sp_size <= heads)
     device: str = "auto"  # "cpu", "cuda", or "auto": CUDA when there is a GPU per rank, else CPU
+    tiled_loss_tokens: int | None = None  # the SP run with the tiled lm_head + loss (UlyssesSPConfig's field)
+    tiled_mlp_tokens: int | None = None  # the SP run with tiled MLPs
 
 
 @dataclass(frozen=True)
@@ -161,6 +163,9 @@ def _validate_options(opts: CheckOptions) -> None:
         raise CheckInputError(f"--seq-len must be >= {least} (a row needs tokens and targets), got {opts.seq_len}.")
     if opts.dtype not in DTYPES:
         raise CheckInputError(f"--dtype must be one of {sorted(DTYPES)}, got {opts.dtype!r}.")
+    for flag, value in (("--tiled-loss-tokens", opts.tiled_loss_tokens), ("--tiled-mlp-tokens", opts.tiled_mlp_tokens)):
+        if value is not None and value < 1:
+            raise CheckInputError(f"{flag} must be >= 1, got {value}.")
 
 
 def _model_source(model: str) -> tuple[str, bool]:
@@ -307,7 +312,9 @@ def _sp_worker(rank: int, world: int, opts: CheckOptions, tensors: dict[str, tor
     device = torch.device("cuda", torch.cuda.current_device()) if opts.device == "cuda" else torch.device("cpu")
     mesh = SPMesh.from_world(world, device_type=device.type)
     model = load_model(opts, device)
-    with UlyssesSP(model, mesh, UlyssesSPConfig(sp_size=world, sp_ring_size=opts.sp_ring_size)) as sp:
+    config = UlyssesSPConfig(sp_size=world, sp_ring_size=opts.sp_ring_size, tiled_loss_tokens=opts.tiled_loss_tokens,
+                             tiled_mlp_tokens=opts.tiled_mlp_tokens)
+    with UlyssesSP(model, mesh, config) as sp:
         shard = sp.shard({k: v.to(device) for k, v in tensors.items()})
         loss = sp.forward_loss(model, shard, global_num_items(shard["shift_labels"], mesh.sp_group))
         loss.backward()
