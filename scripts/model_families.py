@@ -50,8 +50,10 @@ SCENARIOS: dict[str, dict[str, Any]] = {  # name -> CheckOptions fields (besides
     "plain": {"seq_len": 24},
     "padded+packed": {"seq_len": 23, "padding": True, "packed": True},  # S % P != 0, 2 rows, <= 3 docs each
 }
-if os.environ.get("MODEL_FAMILIES_MEMORY") == "1":  # --memory-features: the SP run tiles loss and MLPs
-    SCENARIOS = {name: {**fields, "tiled_loss_tokens": 5, "tiled_mlp_tokens": 3} for name, fields in SCENARIOS.items()}
+MEMORY_FEATURES = {"tiled_loss_tokens": 5, "tiled_mlp_tokens": 3, "sp_head_chunks": 2, "gradient_checkpointing": True,
+                   "offload_activations": True}  # --memory-features: what the SP run adds (CheckOptions fields)
+if os.environ.get("MODEL_FAMILIES_MEMORY") == "1":
+    SCENARIOS = {name: {**fields, **MEMORY_FEATURES} for name, fields in SCENARIOS.items()}
 MAX_PARAMS = 20_000_000  # a tiny config is ~0.1-2M parameters; more means the shrinking missed a size field
 
 # 1. tiny configs ---------------------------------------------------------------------------------
@@ -503,7 +505,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="ranks per check (default 2; e.g. 8 > the tiny configs' 4 heads checks Ulysses x ring); "
                         "the docs table is written for 2 only")
     parser.add_argument("--memory-features", action="store_true",
-                        help="the SP runs use the tiled loss (5 tokens) and tiled MLPs (3 tokens); not for --write")
+                        help="the SP runs add the tiled loss (5 tokens), tiled MLPs (3 tokens), 2 head chunks and "
+                        "offloaded activation checkpointing (both runs in train mode, dropout 0); not for --write")
     parser.add_argument("--_worker", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args._worker is not None:  # its sp_size comes from the environment (set below by the parent)

@@ -27,15 +27,36 @@ def test_check_command_matches_on_packed_odd_length_batch(llama_dir, capsys):
 
 
 def test_check_with_memory_features_matches_and_refuses_bad_tile_sizes(llama_dir, capsys):
-    """Catches the tiled loss / tiled MLP flags not reaching the SP run (the report names them and
-    the run still matches) and a zero tile size being spawned instead of refused."""
+    """Catches the tiled loss / tiled MLP / head chunk / checkpointing / offload flags not reaching
+    the SP run (the report names them and the run still matches) and bad values being spawned
+    instead of refused."""
     code = main(["check", str(llama_dir), "--sp-size", "2", "--padding", "--seq-len", "23",
-                 "--tiled-loss-tokens", "5", "--tiled-mlp-tokens", "3"])
+                 "--tiled-loss-tokens", "5", "--tiled-mlp-tokens", "3", "--sp-head-chunks", "2",
+                 "--gradient-checkpointing", "--offload-activations"])
     out = capsys.readouterr().out
     assert code == 0, out
-    assert "RESULT: MATCH" in out and "SP memory features: tiled loss 5, tiled MLP 3" in out
+    assert "RESULT: MATCH" in out and "SP memory features: tiled loss 5, tiled MLP 3 (tokens per tile)" in out
+    assert "head chunks 2, activation checkpointing on" in out and "offloaded" in out
     assert main(["check", str(llama_dir), "--sp-size", "2", "--tiled-mlp-tokens", "0"]) == 2
     assert "--tiled-mlp-tokens must be >= 1, got 0" in capsys.readouterr().err
+    assert main(["check", str(llama_dir), "--sp-size", "2", "--offload-activations"]) == 2
+    assert "add --gradient-checkpointing" in capsys.readouterr().err
+
+
+def test_checkpointed_check_of_a_model_with_dropout_is_deterministic(tmp_path, capsys):
+    """Catches train mode (which checkpointing needs) leaving the config's dropout on: GPT-2's
+    default 0.1 residual / attention / embedding dropout would make the two runs differ."""
+    import transformers as tf
+
+    config = tf.GPT2Config(vocab_size=128, n_embd=64, n_head=8, n_layer=2, n_positions=64, n_inner=96,
+                           bos_token_id=1, eos_token_id=2)
+    assert config.resid_pdrop == config.attn_pdrop == config.embd_pdrop == 0.1
+    torch.manual_seed(0)
+    tf.GPT2LMHeadModel(config).save_pretrained(tmp_path)
+    code = main(["check", str(tmp_path), "--sp-size", "2", "--seq-len", "19", "--gradient-checkpointing",
+                 "--tiled-mlp-tokens", "3"])
+    out = capsys.readouterr().out
+    assert code == 0 and "RESULT: MATCH" in out, out
 
 
 def _fake_results(seed=0):

@@ -41,6 +41,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the SP run computes lm_head + loss in tiles of this many tokens (default: untiled)")
     parser.add_argument("--tiled-mlp-tokens", type=int, default=None,
                         help="the SP run computes the MLPs in tiles of this many tokens (default: untiled)")
+    parser.add_argument("--sp-head-chunks", type=int, default=1,
+                        help="the SP run processes its local heads in this many chunks (default 1)")
+    parser.add_argument("--gradient-checkpointing", action="store_true",
+                        help="the SP run checkpoints its layers; both runs then run in train mode with every "
+                        "dropout probability of the config set to 0")
+    parser.add_argument("--offload-activations", action="store_true",
+                        help="with --gradient-checkpointing: the SP run keeps the checkpointed layer inputs on the CPU")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                         help="where both runs compute (default auto: CUDA with NCCL when there is a GPU per rank, "
                         "else CPU). cuda with fewer GPUs than --sp-size: the ranks share them over gloo (each holds "
@@ -62,7 +69,10 @@ def format_report(report: CheckReport) -> str:
         f"  SP: P={P} {report.backend} processes, {s} tokens per rank (S padded to {s * P}); "
         f"time: reference {report.ref_seconds:.1f} s, SP {report.sp_seconds:.1f} s (with process start)",
         *([f"  SP memory features: tiled loss {o.tiled_loss_tokens or 'off'}, tiled MLP {o.tiled_mlp_tokens or 'off'}"
-           " (tokens per tile)"] if o.tiled_loss_tokens or o.tiled_mlp_tokens else []),
+           f" (tokens per tile), head chunks {o.sp_head_chunks}, activation checkpointing "
+           f"{'on (train mode, dropout 0 in both runs)' if o.gradient_checkpointing else 'off'}"
+           f"{', offloaded' if o.offload_activations else ''}"]
+          if o.tiled_loss_tokens or o.tiled_mlp_tokens or o.sp_head_chunks > 1 or o.gradient_checkpointing else []),
         "",
         f"  {'quantity':<22}{'reference':>14}{'SP':>14}{'abs diff':>11}{'rel diff':>11}{'tolerance':>11}  result",
         f"  {'loss':<22}{c.loss_ref:>14.6f}{c.loss_sp:>14.6f}{c.loss_abs:>11.2e}{c.loss_rel:>11.2e}"
@@ -91,6 +101,8 @@ def run(args: argparse.Namespace) -> int:
         batch_size=args.batch_size, seq_len=args.seq_len, padding=args.padding, packed=args.packed,
         attn_implementation=args.attn_implementation, seed=args.seed, sp_ring_size=args.sp_ring_size,
         device=args.device, tiled_loss_tokens=args.tiled_loss_tokens, tiled_mlp_tokens=args.tiled_mlp_tokens,
+        sp_head_chunks=args.sp_head_chunks, gradient_checkpointing=args.gradient_checkpointing,
+        offload_activations=args.offload_activations,
     )
     try:
         report = run_check(options)

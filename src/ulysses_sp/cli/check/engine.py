@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 import transformers
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from ulysses_sp import (
     IGNORE_INDEX, GlobalMask, SPMesh, UlyssesSP, UlyssesSPConfig, check_model_support, feed_global_length,
@@ -59,6 +59,11 @@ class CheckOptions:
     device: str = "auto"  # "cpu", "cuda", or "auto": CUDA when there is a GPU per rank, else CPU
     tiled_loss_tokens: int | None = None  # the SP run with the tiled lm_head + loss (UlyssesSPConfig's field)
     tiled_mlp_tokens: int | None = None  # the SP run with tiled MLPs
+    sp_head_chunks: int = 1  # the SP run's local heads in this many chunks (UlyssesSPConfig's field)
+    # the SP run with activation checkpointing (both runs in train mode, every dropout probability of
+    # the config set to 0 so that train mode is deterministic); offload: its layer inputs on the CPU
+    gradient_checkpointing: bool = False
+    offload_activations: bool = False
 
 
 @dataclass(frozen=True)
@@ -166,6 +171,11 @@ def _validate_options(opts: CheckOptions) -> None:
     for flag, value in (("--tiled-loss-tokens", opts.tiled_loss_tokens), ("--tiled-mlp-tokens", opts.tiled_mlp_tokens)):
         if value is not None and value < 1:
             raise CheckInputError(f"{flag} must be >= 1, got {value}.")
+    if opts.sp_head_chunks < 1:
+        raise CheckInputError(f"--sp-head-chunks must be >= 1, got {opts.sp_head_chunks}.")
+    if opts.offload_activations and not opts.gradient_checkpointing:
+        raise CheckInputError("--offload-activations offloads the inputs of checkpointed layers; add "
+                              "--gradient-checkpointing.")
 
 
 def _model_source(model: str) -> tuple[str, bool]:
@@ -186,20 +196,40 @@ def _model_source(model: str) -> tuple[str, bool]:
     return model, False
 
 
+def _without_dropout(config: Any, seen: set[int] | None = None) -> None:
+    """Set every dropout probability of ``config`` and its sub-configs to 0 (in place): float fields
+    named ``*dropout*`` / ``*pdrop*`` (``attention_dropout``, ``hidden_dropout``, ``resid_pdrop`` ...)."""
+    seen = set() if seen is None else seen
+    if id(config) in seen:
+        return
+    seen.add(id(config))
+    for name, value in list(vars(config).items()):
+        if isinstance(value, PretrainedConfig):
+            _without_dropout(value, seen)
+        elif isinstance(value, float) and not isinstance(value, bool) and ("dropout" in name or "pdrop" in name):
+            setattr(config, name, 0.0)
+
+
 def load_model(opts: CheckOptions, device: torch.device) -> PreTrainedModel:
-    """The model in eval mode (no dropout) on ``device``; identical in every process (seeded init)."""
+    """The model on ``device``, identical in every process (seeded init): in eval mode (no dropout),
+    or with ``gradient_checkpointing`` in train mode (what checkpointing needs) with every dropout
+    probability of its config at 0."""
     source, is_config = _model_source(opts.model)
     kwargs: dict[str, Any] = {"dtype": DTYPES[opts.dtype], "attn_implementation": opts.attn_implementation}
     torch.manual_seed(opts.seed)  # random init (and any weight missing from a checkpoint) is seeded
     try:
+        config = AutoConfig.from_pretrained(source)
+        if opts.gradient_checkpointing:
+            _without_dropout(config)
         if is_config or opts.random_init:
-            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(source), **kwargs)
+            model = AutoModelForCausalLM.from_config(config, **kwargs)
         else:
-            model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+            model = AutoModelForCausalLM.from_pretrained(source, config=config, **kwargs)
     except (OSError, ValueError, KeyError, ImportError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise CheckInputError(f"could not load {opts.model!r} as a causal LM: {first}") from err
-    return model.to(device).eval()
+    model = model.to(device)
+    return model.train() if opts.gradient_checkpointing else model.eval()
 
 
 def validate_model(model: PreTrainedModel, sp_size: int, sp_ring_size: int | None = None) -> str:
@@ -313,7 +343,10 @@ def _sp_worker(rank: int, world: int, opts: CheckOptions, tensors: dict[str, tor
     mesh = SPMesh.from_world(world, device_type=device.type)
     model = load_model(opts, device)
     config = UlyssesSPConfig(sp_size=world, sp_ring_size=opts.sp_ring_size, tiled_loss_tokens=opts.tiled_loss_tokens,
-                             tiled_mlp_tokens=opts.tiled_mlp_tokens)
+                             tiled_mlp_tokens=opts.tiled_mlp_tokens, sp_head_chunks=opts.sp_head_chunks,
+                             offload_activations=opts.offload_activations)
+    if opts.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     with UlyssesSP(model, mesh, config) as sp:
         shard = sp.shard({k: v.to(device) for k, v in tensors.items()})
         loss = sp.forward_loss(model, shard, global_num_items(shard["shift_labels"], mesh.sp_group))
@@ -408,6 +441,9 @@ def run_check(opts: CheckOptions) -> CheckReport:
     device = torch.device("cuda", 0) if opts.device == "cuda" else torch.device("cpu")
     model = load_model(opts, device)
     kernel = validate_model(model, opts.sp_size, opts.sp_ring_size)
+    if opts.gradient_checkpointing and not model.supports_gradient_checkpointing:
+        raise CheckInputError(f"{type(model).__name__} does not support activation checkpointing (transformers' "
+                              "supports_gradient_checkpointing is False); check it without --gradient-checkpointing.")
     config = model.config.get_text_config()
     batch = make_batch(opts, config.vocab_size, getattr(config, "pad_token_id", None) or 0)
     ref = reference_step(model, batch)
