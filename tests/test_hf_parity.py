@@ -118,6 +118,49 @@ def check_lora(family, kind, mesh):
             torch.testing.assert_close(p.grad / mesh.sp_size / scale, r.grad / scale, rtol=0, atol=1e-4)
 
 
+def _sp_grads(family, batch, mesh):
+    model = tiny_model(family)
+    with UlyssesSP(model, mesh) as sp:
+        shard = sp.shard(batch)
+        loss = sp.forward_loss(model, shard, global_num_items(shard["shift_labels"], mesh.sp_group),
+                               grad_average_world=mesh.sp_size)
+        loss.backward()
+    for p in model.parameters():
+        dist.all_reduce(p.grad, group=mesh.sp_group)
+    return reported_loss(loss.detach(), mesh.sp_size, mesh.sp_group), {n: p.grad for n, p in model.named_parameters()}
+
+
+def check_batch_keys(mesh):
+    """Batch keys besides input_ids / labels: pre-shifted ``shift_labels`` (completion-only), GPT-2's
+    ``token_type_ids`` (a token-type embedding), and ``token_type_ids`` a model ignores."""
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(1, 128, (2, 17), generator=gen)
+    labels = ids.masked_fill(torch.arange(17) < 6, -100)  # prompts masked
+    shift = F.pad(labels[:, 1:], (0, 1), value=-100)
+    types = torch.randint(0, 2, (2, 17), generator=gen)
+    cases = [("llama", {"input_ids": ids, "shift_labels": shift}, {"input_ids": ids, "labels": labels}),
+             ("gpt2", {"input_ids": ids, "labels": labels, "token_type_ids": types},
+              {"input_ids": ids, "labels": labels, "token_type_ids": types}),
+             ("llama", {"input_ids": ids, "labels": labels, "token_type_ids": types}, {"input_ids": ids, "labels": labels})]
+    for family, batch, ref_inputs in cases:
+        ref = tiny_model(family)
+        ref_loss = ref(**ref_inputs).loss
+        ref_loss.backward()
+        loss, grads = _sp_grads(family, batch, mesh)
+        # fp32, summation order only (see check())
+        torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-5, atol=1e-5, msg=lambda m: f"{family} {list(batch)}: {m}")
+        for name, p in ref.named_parameters():
+            scale = p.grad.abs().max().clamp_min(1e-8)
+            torch.testing.assert_close(grads[name] / mesh.sp_size / scale, p.grad / scale, rtol=0, atol=1e-4)
+    # Gemma 3 lets image tokens (token type 1) attend bidirectionally; the global mask is causal
+    vlm = tiny_model("gemma3_vlm")
+    with UlyssesSP(vlm, mesh) as sp:
+        with pytest.raises(ValueError, match="lets attend bidirectionally"):
+            sp.shard({"input_ids": ids, "token_type_ids": types})
+        text_only = sp.shard({"input_ids": ids, "token_type_ids": torch.zeros_like(types)})
+        vlm(**sp.model_inputs(text_only))  # all type 0: accepted and forwarded
+
+
 FAMILIES = ["llama", "llama_k1", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "llama_mha_eager",
             "stablelm", "nemotron",  # these two drop attention kwargs
             "gpt_oss"]  # attention sinks: 6 heads, so P=4 splits them 2/2/1/1
@@ -165,6 +208,7 @@ def _worker(rank, world):
         check("gpt2", "padding", mesh, tiled_mlp_tokens=4)  # B=2: a sequence tile is strided; Conv1D uses .view
         check_eval("qwen2", "packed", mesh)
         check_lora("llama", "padding", mesh)
+        check_batch_keys(mesh)
         model = tiny_model("llama")
         with UlyssesSP(model, mesh):  # a raw batch must not silently attend within the shard only
             with pytest.raises(ValueError, match="without `ulysses_mask`"):

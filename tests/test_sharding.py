@@ -131,3 +131,22 @@ def test_padding_to_multiple_of_sp_size_repeats_the_last_token_by_default() -> N
     assert torch.equal(_cat(shards, "input_ids"), torch.tensor([[5, 6, 7, 5, 5, 5], [2, 2, 2, 1, 11, 11]]))
     assert torch.equal(_cat(shards, "shift_labels"), torch.tensor([[6, 7, IGNORE, IGNORE, IGNORE, IGNORE],
                                                                    [IGNORE, IGNORE, 1, 11, IGNORE, IGNORE]]))
+
+
+def test_pre_shifted_labels_are_used_and_token_types_sliced() -> None:
+    """Catches ``shift_labels`` (pre-shifted, as transformers' loss and Accelerate's context
+    parallelism take them) being ignored for labels rebuilt from ``input_ids`` (completion-only
+    masks lost: the loss of every token), and ``token_type_ids`` being dropped instead of sliced."""
+    ids = torch.arange(1, 8)[None]  # S=7, P=2: padded to 8
+    labels = ids.masked_fill(torch.arange(7)[None] < 4, -100)  # prompt 1 2 3 4 masked
+    shift = F.pad(labels[:, 1:], (0, 1), value=-100)
+    types = torch.tensor([[0, 0, 1, 1, 1, 0, 1]])
+    shards = [shard_batch({"input_ids": ids, "shift_labels": shift, "token_type_ids": types}, r, 2) for r in range(2)]
+    assert torch.cat([s["shift_labels"] for s in shards], 1).tolist() == [[-100, -100, -100, 5, 6, 7, -100, -100]]
+    assert torch.cat([s["token_type_ids"] for s in shards], 1).tolist() == [[0, 0, 1, 1, 1, 0, 1, 0]]
+    # with both, the pre-shifted ones win, as in transformers' ForCausalLMLoss
+    both = shard_batch({"input_ids": ids, "labels": ids, "shift_labels": shift}, 0, 2)
+    assert both["shift_labels"].tolist() == [[-100, -100, -100, 5]]
+    assert "token_type_ids" not in shard_batch({"input_ids": ids}, 0, 2)
+    with pytest.raises(ValueError, match=r"batch\['shift_labels'\] must be a tensor of input_ids' shape"):
+        shard_batch({"input_ids": ids, "shift_labels": shift[:, :-1]}, 0, 2)

@@ -67,8 +67,16 @@ def tiny_config(family: str):
         return cfg, "eager"
     if family == "gpt2":  # Conv1D projections that flatten with .view, learned absolute positions, MHA
         return tf.GPT2Config(vocab_size=128, n_embd=64, n_head=8, n_layer=2, n_positions=256, n_inner=96,
-                             pad_token_id=0, tie_word_embeddings=False, resid_pdrop=0.0, embd_pdrop=0.0,
+                             pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, resid_pdrop=0.0, embd_pdrop=0.0,
                              attn_pdrop=0.0), "sdpa"  # no dropout: both runs deterministic
+    if family == "gemma3_vlm":  # image tokens (token_type_ids 1) attend bidirectionally in its own mask
+        cfg = tf.Gemma3Config(
+            text_config={**COMMON, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 16,
+                         "sliding_window": 6},
+            vision_config=dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
+                               image_size=28, patch_size=14),
+            mm_tokens_per_image=4, image_token_index=5, boi_token_index=6, eoi_token_index=7)
+        return cfg, "sdpa"
     raise KeyError(family)
 
 

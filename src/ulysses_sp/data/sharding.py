@@ -40,7 +40,7 @@ model's ``get_rope_index`` on the FULL batch before sharding.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import TYPE_CHECKING, Any, Required, TypedDict
 
 import torch
 import torch.distributed as dist
@@ -54,7 +54,7 @@ from ulysses_sp.config import IGNORE_INDEX
 if TYPE_CHECKING:
     from ulysses_sp.comm.mesh import SPMesh
 
-_SEQ_KEYS = ("attention_mask", "labels", "position_ids")
+_SEQ_KEYS = ("attention_mask", "labels", "position_ids", "shift_labels", "token_type_ids")
 _MEDIA_KEYS = ("pixel_values", "pixel_values_videos", "mm_encoder_outputs", "inputs_embeds")
 """Batch keys whose values the model merges into the embeddings of the WHOLE sequence (refused)."""
 _GRID_KEYS = ("image_grid_thw", "video_grid_thw")
@@ -66,7 +66,7 @@ PACKED_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens", "seq_idx", "max_l
 """Batch keys of packed-attention collators; their presence means the rows are packed documents."""
 
 
-class ShardedBatch(TypedDict):
+class ShardedBatch(TypedDict, total=False):
     """What :func:`shard_batch` returns: a plain ``dict``, so ``model(**batch)`` works and
     Trainer / Accelerate device moves keep it intact.
 
@@ -77,12 +77,15 @@ class ShardedBatch(TypedDict):
                    shifted, ``ignore_index`` for padding and the last token of each row.
     ulysses_mask:  the :class:`GlobalMask` of the whole padded ``(B, S)`` batch, equal on all
                    ranks; ``ulysses_mask.seq_len`` is the padded global length S.
+    token_type_ids: ``(B, s)`` this rank's slice of the batch's ``token_type_ids`` (only when the
+                   batch has them; the S padding gets type 0).
     """
 
-    input_ids: torch.Tensor
-    position_ids: torch.Tensor
-    shift_labels: torch.Tensor
-    ulysses_mask: GlobalMask
+    input_ids: Required[torch.Tensor]
+    position_ids: Required[torch.Tensor]
+    shift_labels: Required[torch.Tensor]
+    ulysses_mask: Required[GlobalMask]
+    token_type_ids: torch.Tensor
 
 
 def shard_batch(
@@ -97,7 +100,10 @@ def shard_batch(
 
     Args:
         batch: ``input_ids`` ``(B, S)`` and optionally ``attention_mask`` ``(B, S)`` of 0/1,
-            ``labels`` ``(B, S)`` (default: ``input_ids`` with padding set to ``ignore_index``) and
+            ``labels`` ``(B, S)`` (default: ``input_ids`` with padding set to ``ignore_index``) or
+            ``shift_labels`` ``(B, S)``, labels already shifted (the target of each position, as
+            transformers' loss and Accelerate's context parallelism take them; with both, these
+            win, as in transformers), ``token_type_ids`` ``(B, S)`` (sliced like the tokens) and
             ``position_ids`` ``(B, S)`` (packed batches: restarting at 0 for each document;
             default: ``arange(S)`` per row, as transformers does) or, for MRoPE models, ``(3, B, S)``
             / ``(4, B, S)`` computed on the full batch (module docstring). Other keys
@@ -117,13 +123,14 @@ def shard_batch(
     that a target predicted FROM a padding position is ignored (with left padding transformers
     counts the first real token predicted from padding, a value that depends on the kernel).
     """
-    input_ids, attention_mask, labels, position_ids = _validated(batch, sp_rank, sp_size)
+    input_ids, attention_mask, labels, position_ids, shift_labels, token_type_ids = _validated(batch, sp_rank, sp_size)
     B, S = input_ids.shape
     if position_ids is None:
         position_ids = _default_position_ids(input_ids, attention_mask)
-    if labels is None:
-        labels = input_ids if attention_mask is None else input_ids.masked_fill(attention_mask == 0, ignore_index)
-    shift_labels = F.pad(labels[:, 1:], (0, 1), value=ignore_index)
+    if shift_labels is None:
+        if labels is None:
+            labels = input_ids if attention_mask is None else input_ids.masked_fill(attention_mask == 0, ignore_index)
+        shift_labels = F.pad(labels[:, 1:], (0, 1), value=ignore_index)
     if attention_mask is not None:
         # a padding position predicting the next token (left padding: the first real token) has
         # no defined context; transformers counts it with a kernel-dependent value, we ignore it
@@ -143,6 +150,8 @@ def shard_batch(
         else:
             input_ids = F.pad(input_ids, (0, num_pad), value=pad_token_id)
         shift_labels = F.pad(shift_labels, (0, num_pad), value=ignore_index)
+        if token_type_ids is not None:
+            token_type_ids = F.pad(token_type_ids, (0, num_pad), value=0)
         steps = torch.arange(1, num_pad + 1, device=position_ids.device, dtype=position_ids.dtype)
         position_ids = torch.cat([position_ids, position_ids[..., -1:] + steps], dim=-1)
         if valid is None:
@@ -152,12 +161,15 @@ def shard_batch(
 
     s = (S + num_pad) // sp_size
     local = slice(sp_rank * s, (sp_rank + 1) * s)
-    return ShardedBatch(
+    shard = ShardedBatch(
         input_ids=input_ids[:, local].contiguous(),
         position_ids=position_ids[..., local].contiguous(),
         shift_labels=shift_labels[:, local].contiguous(),
         ulysses_mask=mask,
     )
+    if token_type_ids is not None:
+        shard["token_type_ids"] = token_type_ids[:, local].contiguous()
+    return shard
 
 
 def _global_mask(position_ids: torch.Tensor, valid_BS: torch.Tensor | None, max_position: int) -> GlobalMask:
@@ -189,7 +201,9 @@ def _check_sp(sp_rank: int, sp_size: int) -> None:
 
 def _validated(
     batch: Mapping[str, Any], sp_rank: int, sp_size: int
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None,
+           torch.Tensor | None]:
+    """``input_ids`` and the ``_SEQ_KEYS`` tensors (None where absent), shapes checked."""
     _check_sp(sp_rank, sp_size)
     input_ids = batch.get("input_ids") if isinstance(batch, Mapping) else None
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[1] == 0:

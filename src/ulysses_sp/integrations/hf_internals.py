@@ -7,6 +7,10 @@ helper's body and keep its name.
 
 from __future__ import annotations
 
+import functools
+import inspect
+import sys
+
 from transformers import AttentionInterface, PreTrainedModel
 
 
@@ -37,3 +41,24 @@ def current_attn_implementation(model: PreTrainedModel) -> str | None:
     ``set_attn_implementation``, but no public getter).
     """
     return model.config._attn_implementation
+
+
+@functools.lru_cache(maxsize=None)
+def _module_mentions(module_name: str, word: str) -> bool:
+    module = sys.modules.get(module_name)
+    try:
+        return module is not None and word in inspect.getsource(module)
+    except (OSError, TypeError):  # no source (compiled / frozen): assume it may
+        return True
+
+
+def builds_bidirectional_blocks(model: PreTrainedModel) -> bool:
+    """Whether ``model``'s modeling code lets token-type blocks (images in Gemma 3 / Gemma 4 /
+    PaliGemma / Molmo2 ...) attend bidirectionally.
+
+    Those models turn ``token_type_ids`` / ``mm_token_type_ids`` into ``block_sequence_ids`` for
+    transformers' mask builder inside their own ``forward``; there is no config field or public
+    attribute that says so, so the modeling module's source is searched for that name.
+    """
+    return any(_module_mentions(cls.__module__, "block_sequence_ids") for cls in type(model).__mro__
+               if cls.__module__.startswith("transformers.models."))

@@ -24,6 +24,7 @@ built by the model (no ``attention_mask`` is passed), so no per-layer or per-ran
 from __future__ import annotations
 
 import contextlib
+import inspect
 import itertools
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -40,7 +41,7 @@ from ulysses_sp.data import ShardedBatch, check_batch, shard_batch
 from ulysses_sp.data.sharding import VISION_KEYS
 from ulysses_sp.integrations.rope import feed_global_length
 from ulysses_sp.integrations.hf_internals import (
-    current_attn_implementation, dispatches_attention, unregister_attention_function,
+    builds_bidirectional_blocks, current_attn_implementation, dispatches_attention, unregister_attention_function,
 )
 from ulysses_sp.loss import sp_token_loss, tiled_token_loss
 from ulysses_sp.loss.router_aux import aux_from_sums, router_sums, sp_router_aux_loss
@@ -458,10 +459,30 @@ class UlyssesSP:
                 f"position_ids of shape {tuple(positions.shape)} are multimodal (MRoPE) positions, but "
                 f"{type(self.base).__name__} has no mrope_section in its rope config; give (batch, seq) position_ids."
             )
+        self._check_token_types(batch)
         media = {k: v for k, v in batch.items() if k in VISION_KEYS and v is not None}
         if media.get("pixel_values") is None and media.get("pixel_values_videos") is None:
-            return shard_batch(batch, self.mesh.sp_rank, self.mesh.sp_size, ignore_index=ignore_index)
-        return self._shard_with_images(batch, media, ignore_index)
+            shard = shard_batch(batch, self.mesh.sp_rank, self.mesh.sp_size, ignore_index=ignore_index)
+        else:
+            shard = self._shard_with_images(batch, media, ignore_index)
+        if "token_type_ids" in shard and "token_type_ids" not in inspect.signature(type(self.base).forward).parameters:
+            del shard["token_type_ids"]  # the model has no such argument: it ignores them without SP too
+        return shard
+
+    def _check_token_types(self, batch: Mapping[str, Any]) -> None:
+        """Refuse image / prefix blocks that the model would let attend bidirectionally: the global
+        mask is causal, so they would silently train causal under SP."""
+        declared = inspect.signature(type(self.base).forward).parameters
+        for key in ("token_type_ids", "mm_token_type_ids"):
+            types = batch.get(key)
+            if (key in declared and isinstance(types, torch.Tensor) and bool((types != 0).any())
+                    and builds_bidirectional_blocks(self.base)):
+                raise ValueError(
+                    f"batch[{key!r}] marks tokens that {type(self.base).__name__} lets attend bidirectionally "
+                    "(image / prefix blocks), but Ulysses SP's global mask is causal: those tokens would train "
+                    "differently than in one process. Train this model with sp_size=1, or on text-only batches "
+                    f"(all {key} 0)."
+                )
 
     def _shard_with_images(self, batch: Mapping[str, Any], media: dict[str, Any], ignore_index: int) -> ShardedBatch:
         """A VLM batch with images: text fields sharded, the full padded tokens and pixels kept for the
@@ -493,6 +514,8 @@ class UlyssesSP:
         """
         inputs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"],
                   "ulysses_mask": batch["ulysses_mask"]}
+        if "token_type_ids" in batch:  # (B, s): the model embeds them token-wise (GPT-2's token type embedding)
+            inputs["token_type_ids"] = batch["token_type_ids"]
         return {**inputs, **batch.get("vision_inputs", {})}
 
     def loss(
