@@ -26,7 +26,8 @@ from datasets import Dataset
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import WhitespaceSplit
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import (LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, PreTrainedModel,
+                          PreTrainedTokenizerFast)
 from trl import SFTConfig, SFTTrainer
 
 from ulysses_sp import UlyssesSFTTrainer, UlyssesSPConfig
@@ -50,12 +51,17 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
 
 
-def tiny_model() -> LlamaForCausalLM:
+def tiny_model(moe: bool = False) -> PreTrainedModel:
+    """A tiny random Llama, or with ``moe`` a Mixtral (4 experts, top 2) trained with its router
+    load-balancing loss (``output_router_logits=True``, ``router_aux_loss_coef=0.5``)."""
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         pad_token_id=0, eos_token_id=1)
-    return LlamaForCausalLM(config)
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  pad_token_id=0, eos_token_id=1)
+    if moe:
+        return MixtralForCausalLM(MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2,
+                                                output_router_logits=True, router_aux_loss_coef=0.5))
+    return LlamaForCausalLM(LlamaConfig(**common))
 
 
 def tiny_dataset(num_rows: int, seed: int) -> Dataset:
@@ -97,6 +103,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rows", type=int, default=40)
     p.add_argument("--eval", action="store_true", help="evaluate on 8 rows after training")
     p.add_argument("--bf16", action="store_true")
+    p.add_argument("--moe", action="store_true", help="a tiny Mixtral trained with its router aux loss")
     p.add_argument("--output-dir", default="/tmp/ulysses_sft_example")
     p.add_argument("--log-file", default=None)
     a = p.parse_args(argv)
@@ -122,7 +129,7 @@ def main(argv=None) -> SFTTrainer:
     tok, data = tiny_tokenizer(), tiny_dataset
     if a.assistant_only:
         tok.chat_template, data = CHAT_TEMPLATE, tiny_chat_dataset
-    kwargs = dict(model=tiny_model(), args=args, processing_class=tok,
+    kwargs = dict(model=tiny_model(a.moe), args=args, processing_class=tok,
                   train_dataset=data(a.rows, seed=1), eval_dataset=data(8, seed=2) if a.eval else None,
                   callbacks=[JsonLogger(a.log_file)])
     if a.plain:

@@ -46,11 +46,13 @@ def runs(tmp_path_factory):
     sp = spawn_examples(2, tmp, {"sp_packed": ("--sp-size", "2", "--packing", "--eval"),
                                  "sp_padded": ("--sp-size", "2", "--eval"),
                                  "sp_padding_free": ("--sp-size", "2", "--padding-free"),
-                                 "sp_assistant": ("--sp-size", "2", "--assistant-only")})
+                                 "sp_assistant": ("--sp-size", "2", "--assistant-only"),
+                                 "sp_moe": ("--sp-size", "2", "--packing", "--eval", "--moe")})
     plain = spawn_examples(1, tmp, {"plain_packed": ("--plain", "--packing", "--eval"),
                                     "plain_padded": ("--plain", "--eval"),
                                     "plain_padding_free": ("--plain", "--padding-free"),
-                                    "plain_assistant": ("--plain", "--assistant-only")})
+                                    "plain_assistant": ("--plain", "--assistant-only"),
+                                    "plain_moe": ("--plain", "--packing", "--eval", "--moe")})
     out = {**sp, **plain}
     out["assistant_labels"] = json.loads((tmp / "plain_assistant.labels.json").read_text())
     return out
@@ -60,14 +62,14 @@ def step_logs(records: list[dict]) -> dict[int, dict]:
     return {r["step"]: r for r in records if "loss" in r}
 
 
-def assert_same_run(sp: list[dict], plain: list[dict], evaluated: bool = True) -> None:
+def assert_same_run(sp: list[dict], plain: list[dict], evaluated: bool = True, extra: tuple[str, ...] = ()) -> None:
     sp_steps, plain_steps = step_logs(sp), step_logs(plain)
     assert sorted(sp_steps) == [1, 2, 3] == sorted(plain_steps)
     for step in (1, 2, 3):
         a, b = sp_steps[step], plain_steps[step]
         # fp32; only the summation order differs (sharded attention, gradient all-reduce, metric sums):
         # ~1e-7 relative per step, AdamW's normalised updates keep 3 steps well inside 1e-5
-        for key in ("loss", "grad_norm", "entropy", "mean_token_accuracy"):
+        for key in ("loss", "grad_norm", "entropy", "mean_token_accuracy", *extra):
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (step, key)
         for key in ("num_tokens", "num_input_tokens_seen", "epoch"):  # counts: exact
             assert a[key] == b[key], (step, key)
@@ -75,7 +77,7 @@ def assert_same_run(sp: list[dict], plain: list[dict], evaluated: bool = True) -
         return
     eval_sp = next(r for r in sp if "eval_loss" in r)
     eval_plain = next(r for r in plain if "eval_loss" in r)
-    for key in ("eval_loss", "eval_entropy", "eval_mean_token_accuracy"):
+    for key in ("eval_loss", "eval_entropy", "eval_mean_token_accuracy", *(f"eval_{k}" for k in extra)):
         assert eval_sp[key] == pytest.approx(eval_plain[key], rel=1e-5, abs=1e-7), key  # fp32 forward only
 
 
@@ -127,3 +129,12 @@ def test_sft_assistant_only_masks_user_turns(runs):
     # the collator keeps those labels (right padding with -100)
     for row, labels in zip(dump["collated_labels"], dump["labels"], strict=True):
         assert row[: len(labels)] == labels and set(row[len(labels):]) <= {-100}
+
+
+def test_sft_moe_router_aux_loss_sp2_matches_plain(runs):
+    """Catches the MoE load-balancing loss under SP being refused, dropped, or computed on one
+    shard (TRL's fused head returns the shard's aux_loss but not the router logits): a tiny Mixtral
+    with router_aux_loss_coef 0.5, packed, 2 accumulation steps: loss (which includes 0.5 x aux),
+    grad norm, the logged aux_loss and the eval losses equal the plain SFTTrainer's."""
+    assert all(r["aux_loss"] > 1.0 for r in step_logs(runs["plain_moe"]).values())  # the term is really there
+    assert_same_run(runs["sp_moe"], runs["plain_moe"], extra=("aux_loss",))

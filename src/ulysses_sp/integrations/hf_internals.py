@@ -7,10 +7,14 @@ helper's body and keep its name.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import sys
+from collections.abc import Iterator
+from typing import Any
 
+import torch
 from transformers import AttentionInterface, PreTrainedModel
 
 
@@ -62,3 +66,49 @@ def builds_bidirectional_blocks(model: PreTrainedModel) -> bool:
     """
     return any(_module_mentions(cls.__module__, "block_sequence_ids") for cls in type(model).__mro__
                if cls.__module__.startswith("transformers.models."))
+
+
+def recorded_output_modules(model: torch.nn.Module, key: str) -> list[tuple[torch.nn.Module, int]]:
+    """The submodules (and the index in their output) whose outputs transformers collects as ``key``
+    (``"router_logits"``, ...), with the rule of the first module class that declares one.
+
+    transformers 5 gathers such outputs with forward hooks described by each model class's private
+    ``_can_record_outputs`` (a module class, or an ``OutputRecorder`` with ``target_class`` /
+    ``class_name`` / ``layer_name`` / ``index``); an output that a forward does not return (TRL's
+    fused LM head drops ``router_logits``) can only be recovered by the same hooks.
+    """
+    spec = next((rules[key] for m in model.modules()
+                 if key in (rules := getattr(type(m), "_can_record_outputs", None) or {})), None)
+    if spec is None:
+        return []
+    target = spec if isinstance(spec, type) else getattr(spec, "target_class", None)
+    class_name, layer_name = getattr(spec, "class_name", None), getattr(spec, "layer_name", None)
+    index = 0 if isinstance(spec, type) else int(getattr(spec, "index", 0) or 0)
+    found = []
+    for name, module in model.named_modules():
+        if target is not None and not isinstance(module, target):
+            continue
+        if class_name is not None and not type(module).__name__.endswith(class_name):
+            continue
+        if layer_name is not None and layer_name not in name:
+            continue
+        found.append((module, index))
+    return found
+
+
+@contextlib.contextmanager
+def recording_outputs(model: torch.nn.Module, key: str) -> Iterator[list[torch.Tensor]]:
+    """While open, the ``key`` outputs (see :func:`recorded_output_modules`) of every forward of
+    ``model`` are appended to the yielded list, in call order."""
+    recorded: list[torch.Tensor] = []
+    handles = []
+    for module, index in recorded_output_modules(model, key):
+        def hook(mod: torch.nn.Module, args: Any, output: Any, index: int = index) -> None:
+            recorded.append(output[index] if isinstance(output, (tuple, list)) else output)
+
+        handles.append(module.register_forward_hook(hook))
+    try:
+        yield recorded
+    finally:
+        for handle in handles:
+            handle.remove()
