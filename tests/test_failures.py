@@ -387,7 +387,9 @@ def test_plan_refuses_a_non_causal_model(tmp_path, capsys):
 
 def test_different_batches_in_one_sp_group_raise():
     """Bug caught: UlyssesSP.shard training on different batches per rank of one SP group with no error
-    (each rank would attend to another sequence's keys). On by default; check_same=False skips it."""
+    (each rank would attend to another sequence's keys). On by default; check_same=False skips it.
+    Also different weights (unseeded random init, no DDP broadcast: each shard runs another model)
+    and different head chunks (different collectives: a hang) are refused at the first shard."""
     from dist_helper import spawn
 
     spawn(_different_batches_worker, 2, timeout_s=120)
@@ -395,7 +397,7 @@ def test_different_batches_in_one_sp_group_raise():
 
 def _different_batches_worker(rank, world):
     from tiny_models import tiny_model
-    from ulysses_sp import SPMesh, UlyssesSP
+    from ulysses_sp import SPMesh, UlyssesSP, UlyssesSPConfig
 
     mesh = SPMesh.from_world(2)
     sp = UlyssesSP(tiny_model("llama"), mesh)
@@ -403,6 +405,21 @@ def _different_batches_worker(rank, world):
     with pytest.raises(ValueError, match="must see the same batch"):
         sp.shard(batch)
     assert sp.shard(batch, check_same=False)["input_ids"].shape == (1, 8)  # the documented switch
+    labels = torch.arange(16)[None].masked_fill(torch.arange(16) < 4 + rank, -100)  # a per-rank prompt mask
+    with pytest.raises(ValueError, match=r"input_ids agree but \['labels'\] differ"):
+        sp.shard({"input_ids": torch.arange(16)[None], "labels": labels})
+    # the first checked shard also compares config, model shape and weights over the SP group
+    same = {"input_ids": torch.arange(16)[None]}
+    differ = UlyssesSP(tiny_model("llama", seed=rank), mesh)  # a random init without a common seed
+    with pytest.raises(ValueError, match=r"differ in: weights .*torch.manual_seed"):
+        differ.shard(same)
+    model = tiny_model("llama", seed=rank)
+    sp = UlyssesSP(model, mesh)
+    torch.nn.parallel.DistributedDataParallel(model)  # broadcasts rank 0's weights when it wraps: then fine
+    assert sp.shard(same)["input_ids"].shape == (1, 8)
+    chunks = UlyssesSP(tiny_model("llama"), mesh, UlyssesSPConfig(sp_size=2, sp_head_chunks=1 + rank))
+    with pytest.raises(ValueError, match=r"differ in: UlyssesSPConfig \(sp_backend, sp_head_chunks"):
+        chunks.shard(same)  # would issue different collectives per rank
 
 
 def test_disable_tqdm_is_honoured(tmp_path):

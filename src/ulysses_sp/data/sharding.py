@@ -268,9 +268,35 @@ def validate_same_batch(input_ids_BS: torch.Tensor, group: ProcessGroup | None) 
     :func:`shard_batch`) and the SP group.
     """
     B, S = input_ids_BS.shape
-    flat = input_ids_BS.reshape(-1).long()
+    check_same_across_ranks([B, S, _checksum(input_ids_BS)], group, _different_batches)
+
+
+def _checksum(t: torch.Tensor) -> int:
+    """Position-weighted sum of an integer tensor (reordered values differ too)."""
+    flat = t.reshape(-1).long()
     weights = torch.arange(flat.numel(), device=flat.device) % 1_000_003 + 1
-    check_same_across_ranks([B, S, int((flat * weights).sum())], group, _different_batches)
+    return int((flat * weights).sum())
+
+
+_CHECKED_KEYS = ("labels", "shift_labels", "position_ids", "attention_mask")
+
+
+def _validate_same_fields(batch: Mapping[str, Any], group: ProcessGroup | None) -> None:
+    """:func:`validate_same_batch` over ``input_ids`` and the fields that set targets and masks
+    (``labels``, ``shift_labels``, ``position_ids``, ``attention_mask``), in the same one all-gather."""
+    input_ids = batch["input_ids"]
+    present = [(k, batch[k]) for k in _CHECKED_KEYS if isinstance(batch.get(k), torch.Tensor)]
+    values = [*input_ids.shape, _checksum(input_ids), *(_checksum(t) for _, t in present)]
+
+    def describe(rows: list[tuple[int, ...]]) -> str:
+        if len({row[:3] for row in rows}) > 1:
+            return _different_batches([row[:3] for row in rows])
+        keys = [k for i, (k, _) in enumerate(present) if len({row[3 + i] for row in rows}) > 1]
+        return (f"all ranks of an SP group must see the same batch: input_ids agree but {keys} differ between "
+                "the ranks (a collator with per-rank randomness, or fields built per rank?). Build the whole batch "
+                "identically on every rank of the group (same seed), then let UlyssesSP.shard cut it.")
+
+    check_same_across_ranks(values, group, describe)
 
 
 def _different_batches(rows: list[tuple[int, ...]]) -> str:
@@ -290,7 +316,8 @@ def check_batch(batch: Mapping[str, Any], sp_group: ProcessGroup | None = None, 
        e.g. a dataset with ``position_ids`` or ``padding_free``) or a packed-attention key such as
        ``cu_seq_lens_q`` in the batch. Without positions, documents would attend to each other.
     2. With ``sp_group`` (of more than one rank): every rank holds the same global batch
-       (:func:`validate_same_batch`, one tiny all-gather).
+       (:func:`validate_same_batch` on ``input_ids``, and the same ``labels`` / ``shift_labels`` /
+       ``position_ids`` / ``attention_mask``: one tiny all-gather).
     """
     if not isinstance(batch, Mapping) or batch.get("input_ids") is None:
         _validated(batch, 0, 1)  # raises with the input_ids message
@@ -303,7 +330,7 @@ def check_batch(batch: Mapping[str, Any], sp_group: ProcessGroup | None = None, 
             "DataCollatorWithFlattening(return_position_ids=True) or TRL's collator with padding_free=True."
         )
     if sp_group is not None and dist.get_world_size(sp_group) > 1:
-        validate_same_batch(batch["input_ids"], sp_group)
+        _validate_same_fields(batch, sp_group)
 
 
 def dp_sampler_kwargs(mesh: SPMesh) -> dict[str, int]:
