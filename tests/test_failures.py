@@ -417,6 +417,10 @@ def _different_batches_worker(rank, world):
     sp = UlyssesSP(model, mesh)
     torch.nn.parallel.DistributedDataParallel(model)  # broadcasts rank 0's weights when it wraps: then fine
     assert sp.shard(same)["input_ids"].shape == (1, 8)
+    with torch.no_grad():  # a step whose gradients were not averaged over the group: the weights drift apart
+        model.model.layers[1].mlp.up_proj.weight.add_(0.01 * rank)
+    with pytest.raises(ValueError, match=r"differ in: trained weights .*gradients are not averaged over the SP group"):
+        sp.shard(same)
     chunks = UlyssesSP(tiny_model("llama"), mesh, UlyssesSPConfig(sp_size=2, sp_head_chunks=1 + rank))
     with pytest.raises(ValueError, match=r"differ in: UlyssesSPConfig \(sp_backend, sp_head_chunks"):
         chunks.shard(same)  # would issue different collectives per rank

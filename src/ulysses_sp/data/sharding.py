@@ -39,7 +39,7 @@ model's ``get_rope_index`` on the FULL batch before sharding.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Required, TypedDict
 
 import torch
@@ -281,14 +281,24 @@ def _checksum(t: torch.Tensor) -> int:
 _CHECKED_KEYS = ("labels", "shift_labels", "position_ids", "attention_mask")
 
 
-def _validate_same_fields(batch: Mapping[str, Any], group: ProcessGroup | None) -> None:
+def _validate_same_fields(batch: Mapping[str, Any], group: ProcessGroup | None,
+                          agree: Mapping[str, Sequence[int]], agree_hint: str) -> None:
     """:func:`validate_same_batch` over ``input_ids`` and the fields that set targets and masks
-    (``labels``, ``shift_labels``, ``position_ids``, ``attention_mask``), in the same one all-gather."""
+    (``labels``, ``shift_labels``, ``position_ids``, ``attention_mask``), and ``agree``'s values,
+    in one all-gather."""
     input_ids = batch["input_ids"]
     present = [(k, batch[k]) for k in _CHECKED_KEYS if isinstance(batch.get(k), torch.Tensor)]
-    values = [*input_ids.shape, _checksum(input_ids), *(_checksum(t) for _, t in present)]
+    fields = [*input_ids.shape, _checksum(input_ids), *(_checksum(t) for _, t in present)]
+    values = fields + [int(v) for vs in agree.values() for v in vs]
 
     def describe(rows: list[tuple[int, ...]]) -> str:
+        differ, start = [], len(fields)
+        for name, vs in agree.items():
+            if len({row[start : start + len(vs)] for row in rows}) > 1:
+                differ.append(name)
+            start += len(vs)
+        if differ:
+            return f"the ranks of one SP group differ in: {'; '.join(differ)}. {agree_hint}"
         if len({row[:3] for row in rows}) > 1:
             return _different_batches([row[:3] for row in rows])
         keys = [k for i, (k, _) in enumerate(present) if len({row[3 + i] for row in rows}) > 1]
@@ -309,7 +319,10 @@ def _different_batches(rows: list[tuple[int, ...]]) -> str:
     )
 
 
-def check_batch(batch: Mapping[str, Any], sp_group: ProcessGroup | None = None, *, packed: bool = False) -> None:
+def check_batch(
+    batch: Mapping[str, Any], sp_group: ProcessGroup | None = None, *, packed: bool = False,
+    agree: Mapping[str, Sequence[int]] | None = None, agree_hint: str = "",
+) -> None:
     """The checks every path runs before :func:`shard_batch`, with one message per mistake.
 
     1. A packed batch has ``position_ids``: ``packed=True`` (the caller knows the rows are packed,
@@ -317,7 +330,9 @@ def check_batch(batch: Mapping[str, Any], sp_group: ProcessGroup | None = None, 
        ``cu_seq_lens_q`` in the batch. Without positions, documents would attend to each other.
     2. With ``sp_group`` (of more than one rank): every rank holds the same global batch
        (:func:`validate_same_batch` on ``input_ids``, and the same ``labels`` / ``shift_labels`` /
-       ``position_ids`` / ``attention_mask``: one tiny all-gather).
+       ``position_ids`` / ``attention_mask``: one tiny all-gather). ``agree``: further named
+       integers the ranks must share (``UlyssesSP``: config, model shape, a weight checksum),
+       compared in the same all-gather; ``agree_hint`` ends the message when they differ.
     """
     if not isinstance(batch, Mapping) or batch.get("input_ids") is None:
         _validated(batch, 0, 1)  # raises with the input_ids message
@@ -330,7 +345,7 @@ def check_batch(batch: Mapping[str, Any], sp_group: ProcessGroup | None = None, 
             "DataCollatorWithFlattening(return_position_ids=True) or TRL's collator with padding_free=True."
         )
     if sp_group is not None and dist.get_world_size(sp_group) > 1:
-        _validate_same_fields(batch, sp_group)
+        _validate_same_fields(batch, sp_group, agree or {}, agree_hint)
 
 
 def dp_sampler_kwargs(mesh: SPMesh) -> dict[str, int]:

@@ -281,29 +281,33 @@ class UlyssesSP:
         self._vision_hook: Any = None
         self._call_mask: GlobalMask | None = None  # ulysses_mask of the model call in progress
         self._aux_checked = False  # router_aux_loss has compared its formula with the model's own aux loss
-        self._group_checked = mesh.sp_size == 1  # _check_group_agrees runs at the first checked shard()
+        self._group_checked = False  # the first checked shard() samples every weight (_group_signature)
 
-    def _check_group_agrees(self) -> None:
-        """One tiny all-gather over the SP group: every rank has the same config, kernel, model shape
-        and (where parameters are whole tensors on every rank) the same weights.
+    def _group_signature(self) -> tuple[dict[str, list[int]], str]:
+        """What every rank of the SP group must agree on, as integers, and the fix if they do not.
 
-        Run at the first :meth:`shard` (with ``check_same``), not at construction: DDP and DeepSpeed
-        broadcast rank 0's weights when they wrap the model, which may come after ``UlyssesSP(...)``.
-
-        Different head chunks, backends or ring sizes would issue different collectives (a hang or
-        mixed-up data); different weights (a random init without a common seed, and no DDP broadcast)
-        would train silently wrong: each shard would run another model.
+        Compared with the batch in :meth:`shard`'s all-gather (no extra collective):
+        config, kernel and model shape (different head chunks, backends or ring sizes would issue
+        different collectives: a hang or mixed-up data), and a checksum of the weights where
+        parameters are whole tensors on every rank (not FSDP2 DTensors or ZeRO-3 partitions). At the
+        first batch every parameter is sampled (a random init without a common seed, and no DDP /
+        DeepSpeed broadcast, would run another model on each shard); afterwards up to 32 trainable
+        ones (weights that drift apart mean the gradients are not averaged over the SP group).
         """
         c, text = self.config, self.base.config.get_text_config()
         params = list(self.base.parameters())
         whole = all(type(p) is torch.nn.Parameter or type(p) is torch.Tensor for p in params) and not any(
             p.is_meta or p.numel() == 0 or hasattr(p, "ds_id") for p in params)
+        first = not self._group_checked
         checksum = 0
-        if whole:  # a strided sample of every tensor; the same weights give the same bits on every rank
+        if whole:  # a strided sample of each tensor; the same weights give the same bits on every rank
+            chosen = params if first else [p for p in params if p.requires_grad]
+            if len(chosen) > 32:
+                chosen = [chosen[i * len(chosen) // 32] for i in range(32)]
             with torch.no_grad():
-                total = sum((p.detach().reshape(-1)[:: max(1, p.numel() // 64)].double().sum() for p in params),
-                            torch.zeros((), dtype=torch.float64))
-            checksum = int(torch.tensor([total.item()], dtype=torch.float64).view(torch.int64).item())
+                samples = [p.detach().reshape(-1)[:: max(1, p.numel() // 64)][:64].double() for p in chosen]
+                total = torch.cat(samples).sum() if samples else torch.zeros((), dtype=torch.float64)
+            checksum = int(total.reshape(1).cpu().view(torch.int64).item())
         values = {
             "UlyssesSPConfig (sp_backend, sp_head_chunks, sp_ring_size, tiled_mlp_tokens, tiled_loss_tokens)":
                 [zlib.crc32(c.sp_backend.encode()), c.sp_head_chunks, self.ring_size, c.tiled_mlp_tokens or 0,
@@ -312,21 +316,15 @@ class UlyssesSP:
             "model shape (parameters, layers, heads, kv heads)":
                 [sum(p.numel() for p in params), int(getattr(text, "num_hidden_layers", 0) or 0),
                  int(getattr(text, "num_attention_heads", 0) or 0), int(getattr(text, "num_key_value_heads", 0) or 0)],
-            "weights (a checksum of every parameter)": [checksum],
+            "weights (a checksum of every parameter)" if first else "trained weights (a checksum)": [checksum],
         }
-        flat = [v for vs in values.values() for v in vs]
-
-        def describe(rows: list[tuple[int, ...]]) -> str:
-            differ, start = [], 0
-            for name, vs in values.items():
-                if len({row[start : start + len(vs)] for row in rows}) > 1:
-                    differ.append(name)
-                start += len(vs)
-            return (f"the ranks of one SP group differ in: {'; '.join(differ)}. Every rank must build the same "
-                    "model and UlyssesSPConfig: load the same checkpoint or seed a random init identically "
-                    "(torch.manual_seed(s) before building the model on every rank), and pass the same options.")
-
-        check_same_across_ranks(flat, self.mesh.sp_group, describe)
+        hint = ("Every rank must build the same model and UlyssesSPConfig: load the same checkpoint or seed a random "
+                "init identically (torch.manual_seed(s) before building the model on every rank), and pass the same "
+                "options." if first else
+                "They agreed at the first batch, so the gradients are not averaged over the SP group: wrap the model "
+                "in DDP / FSDP2 / DeepSpeed over the world, or all-reduce every gradient over mesh.sp_group (and the "
+                "DP group) before optimizer.step().")
+        return values, hint
 
     # registration -------------------------------------------------------------------------
     def wrap_attention(self, wrapper: Callable[[AttentionFunction], AttentionFunction]) -> UlyssesSP:
@@ -497,14 +495,14 @@ class UlyssesSP:
 
         1. :func:`ulysses_sp.data.check_batch`: a packed batch (``packed=True`` or packed-attention
            keys) must carry ``position_ids``; with ``check_same`` and ``sp_size > 1``, every rank of
-           the SP group must hold the same batch (one tiny all-gather), and at the first such call
-           the same config, model shape and weights (:meth:`_check_group_agrees`, one more).
+           the SP group must hold the same batch, config, model shape and weights
+           (:meth:`_group_signature`), all in one tiny all-gather.
         2. :func:`ulysses_sp.data.shard_batch` (pad S to a multiple of P, shift labels, global mask).
         """
-        if check_same and not self._group_checked:
-            self._check_group_agrees()
-            self._group_checked = True
-        check_batch(batch, self.mesh.sp_group if check_same and self.mesh.sp_size > 1 else None, packed=packed)
+        group = self.mesh.sp_group if check_same and self.mesh.sp_size > 1 else None
+        agree, hint = self._group_signature() if group is not None else ({}, "")
+        check_batch(batch, group, packed=packed, agree=agree, agree_hint=hint)
+        self._group_checked = True
         positions = batch.get("position_ids")
         if isinstance(positions, torch.Tensor) and positions.dim() == 3 and not _uses_mrope(self.base):
             raise ValueError(
