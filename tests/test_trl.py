@@ -138,3 +138,17 @@ def test_sft_moe_router_aux_loss_sp2_matches_plain(runs):
     grad norm, the logged aux_loss and the eval losses equal the plain SFTTrainer's."""
     assert all(r["aux_loss"] > 1.0 for r in step_logs(runs["plain_moe"]).values())  # the term is really there
     assert_same_run(runs["sp_moe"], runs["plain_moe"], extra=("aux_loss",))
+
+
+def test_sft_moe_aux_loss_dp2_sp2_matches_plain_ddp(tmp_path):
+    """Catches a wrong data-parallel weighting of the SP aux loss: TRL averages each replica's
+    ``coef * aux`` over DDP ranks, so dp=2 x sp=2 (4 ranks) must equal the plain SFTTrainer under
+    DDP on 2 ranks, step by step (loss, grad norm, logged aux_loss)."""
+    args = ("--packing", "--moe", "--batch-size", "1")
+    sp = spawn_examples(4, tmp_path, {"sp": ("--sp-size", "2", *args)})["sp"]
+    plain = spawn_examples(2, tmp_path, {"plain": ("--plain", *args)})["plain"]
+    sp_steps, plain_steps = step_logs(sp), step_logs(plain)
+    assert sorted(sp_steps) == [1, 2, 3] == sorted(plain_steps)
+    for step in (1, 2, 3):
+        for key in ("loss", "grad_norm", "aux_loss"):  # fp32, summation order only (see assert_same_run)
+            assert sp_steps[step][key] == pytest.approx(plain_steps[step][key], rel=1e-5, abs=1e-7), (step, key)
