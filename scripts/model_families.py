@@ -52,6 +52,8 @@ SCENARIOS: dict[str, dict[str, Any]] = {  # name -> CheckOptions fields (besides
 }
 MEMORY_FEATURES = {"tiled_loss_tokens": 5, "tiled_mlp_tokens": 3, "sp_head_chunks": 2, "gradient_checkpointing": True,
                    "offload_activations": True}  # --memory-features: what the SP run adds (CheckOptions fields)
+if os.environ.get("MODEL_FAMILIES_DTYPE", "float32") != "float32":  # --dtype: both runs in that dtype
+    SCENARIOS = {name: {**fields, "dtype": os.environ["MODEL_FAMILIES_DTYPE"]} for name, fields in SCENARIOS.items()}
 if os.environ.get("MODEL_FAMILIES_MEMORY") == "1":
     SCENARIOS = {name: {**fields, **MEMORY_FEATURES} for name, fields in SCENARIOS.items()}
 MAX_PARAMS = 20_000_000  # a tiny config is ~0.1-2M parameters; more means the shrinking missed a size field
@@ -507,13 +509,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory-features", action="store_true",
                         help="the SP runs add the tiled loss (5 tokens), tiled MLPs (3 tokens), 2 head chunks and "
                         "offloaded activation checkpointing (both runs in train mode, dropout 0); not for --write")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="both runs in this dtype, with the check's tolerances for it; not for --write")
     parser.add_argument("--_worker", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args._worker is not None:  # its sp_size comes from the environment (set below by the parent)
         _worker_main(args._worker)
         return 0
-    if args.write and (args.sp_size != 2 or args.memory_features):
-        parser.error("--write records the sp_size 2 table without memory features; run the others without --write")
+    if args.write and (args.sp_size != 2 or args.memory_features or args.dtype != "float32"):
+        parser.error("--write records the sp_size 2 fp32 table without memory features; run the others without --write")
+    os.environ["MODEL_FAMILIES_DTYPE"] = args.dtype  # the workers started below inherit it
     if args.memory_features:
         os.environ["MODEL_FAMILIES_MEMORY"] = "1"  # the workers started below inherit it
     os.environ["MODEL_FAMILIES_SP_SIZE"] = str(args.sp_size)  # the workers started below inherit it

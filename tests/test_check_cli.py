@@ -6,7 +6,8 @@ import torch
 from tiny_models import tiny_model
 from ulysses_sp.cli.check import format_report
 from ulysses_sp.cli.main import main
-from ulysses_sp.cli.check.engine import TOLERANCES, CheckBatch, CheckOptions, CheckReport, StepResult, compare
+from ulysses_sp.cli.check.engine import (TOLERANCES, CheckBatch, CheckOptions, CheckReport, StepResult, compare,
+                                         noise_floor)
 
 
 @pytest.fixture(scope="module")
@@ -139,3 +140,39 @@ def test_device_flag_refusals(llama_dir, capsys, monkeypatch):
     assert main(["check", str(llama_dir), "--sp-size", "4", "--sp-ring-size", "2", "--device", "cuda"]) == 2
     err = capsys.readouterr().err
     assert "ring's send/recv over GPUs shared through gloo is not supported" in err and "--device cpu" in err
+
+
+def test_bf16_accepts_rounding_the_one_process_run_shares_but_not_a_bug():
+    """Catches bf16 checks that flag rounding as a MISMATCH (a tiny random model's bf16 gradients
+    sit up to 0.6 of a tensor's scale off fp32 in ONE process already), and a noise rule so loose
+    that a real error passes: SP is judged against an fp32 run, by the bf16 reference's own error."""
+    g = torch.Generator().manual_seed(0)
+    truth = {"attn.k": torch.randn(8, 8, generator=g), "norm": torch.randn(8, generator=g)}
+
+    def off(by):  # each tensor moved by by[name] x its largest |value|, in a fixed random direction
+        return {n: t + by[n] * t.abs().max() * torch.randn(t.shape, generator=torch.Generator().manual_seed(1)).sign()
+                for n, t in truth.items()}
+
+    t32 = StepResult(4.0, truth)
+    ref16 = StepResult(4.001, off({"attn.k": 0.3, "norm": 0.02}))
+    rounding = StepResult(4.0012, off({"attn.k": -0.35, "norm": 0.03}))  # SP's rounding: as large, another sign
+    c = compare(ref16, rounding, TOLERANCES["bfloat16"])
+    assert c.grad_rel > TOLERANCES["bfloat16"].grad_rel and not c.ok  # the fixed bf16 tolerance alone flags it
+    c.noise = noise_floor(t32, ref16, rounding)
+    assert c.ok and c.noise.grads_ok and c.noise.loss_ok
+    bug = StepResult(4.0012, off({"attn.k": 0.3, "norm": 0.5}))  # the well-conditioned tensor far off: a bug
+    c = compare(ref16, bug, TOLERANCES["bfloat16"])
+    c.noise = noise_floor(t32, ref16, bug)
+    assert not c.ok and c.noise.grad_worst_name == "norm"
+    wrong_loss = StepResult(4.05, off({"attn.k": 0.3, "norm": 0.02}))
+    c = compare(ref16, wrong_loss, TOLERANCES["bfloat16"])
+    c.noise = noise_floor(t32, ref16, wrong_loss)
+    assert not c.loss_ok and not c.ok
+
+
+def test_bf16_check_of_a_saved_model_matches_with_the_fp32_comparison(llama_dir, capsys):
+    """The bf16 command end to end: the report shows both bf16 runs against one fp32 process."""
+    code = main(["check", str(llama_dir), "--sp-size", "2", "--packed", "--seq-len", "23", "--dtype", "bfloat16"])
+    out = capsys.readouterr().out
+    assert code == 0 and "RESULT: MATCH" in out, out
+    assert "bf16 against one fp32 process" in out and "x reference" in out

@@ -76,15 +76,36 @@ def format_report(report: CheckReport) -> str:
         "",
         f"  {'quantity':<22}{'reference':>14}{'SP':>14}{'abs diff':>11}{'rel diff':>11}{'tolerance':>11}  result",
         f"  {'loss':<22}{c.loss_ref:>14.6f}{c.loss_sp:>14.6f}{c.loss_abs:>11.2e}{c.loss_rel:>11.2e}"
-        f"{t.loss_rel:>11.1e}  {'ok' if c.loss_rel <= t.loss_rel else 'MISMATCH'}",
+        f"{t.loss_rel:>11.1e}  {_verdict(c.loss_rel <= t.loss_rel, c.loss_ok)}",
         f"  {f'grads ({c.num_grads} tensors)':<22}{'':>14}{'':>14}{c.grad_abs:>11.2e}{c.grad_rel:>11.2e}"
-        f"{t.grad_rel:>11.1e}  {'ok' if c.grad_rel <= t.grad_rel else 'MISMATCH'}",
+        f"{t.grad_rel:>11.1e}  {_verdict(c.grad_rel <= t.grad_rel, c.grads_ok)}",
         f"    largest abs diff in {c.grad_abs_name}",
         f"    largest rel diff in {c.grad_rel_name}   (rel = max |SP - ref| / max |grad| of that tensor)",
         f"  tolerance: {t.why}",
+        *_noise_lines(c),
         f"RESULT: {'MATCH' if c.ok else 'MISMATCH'}",
     ]
     return "\n".join(lines)
+
+
+def _verdict(within_tolerance: bool, ok: bool) -> str:
+    return "ok" if within_tolerance else ("ok (bf16 rounding, see below)" if ok else "MISMATCH")
+
+
+def _noise_lines(c) -> list[str]:
+    """bf16: both runs against one fp32 process, the rule that accepts rounding."""
+    n = c.noise
+    if n is None:
+        return []
+    from ulysses_sp.cli.check.engine import NOISE_FACTOR, NOISE_SLACK
+
+    return [
+        "  bf16 against one fp32 process (the truth both bf16 runs round away from):",
+        f"    loss: reference {n.loss_ref:.2e}, SP {n.loss_sp:.2e} rel; "
+        f"{'ok' if n.loss_ok else 'MISMATCH'} when SP <= {NOISE_FACTOR:g} x reference + {NOISE_SLACK * 0.1:g}",
+        f"    grads: worst {n.grad_worst_name}: reference {n.grad_ref:.2e}, SP {n.grad_sp:.2e} rel; "
+        f"{'ok' if n.grads_ok else 'MISMATCH'} when SP <= {NOISE_FACTOR:g} x reference + {NOISE_SLACK:g} for every tensor",
+    ]
 
 
 def run(args: argparse.Namespace) -> int:

@@ -119,6 +119,7 @@ class Comparison:
     grad_rel_name: str
     num_grads: int
     tolerance: Tolerance
+    noise: NoiseFloor | None = None  # bf16: both runs against an fp32 one-process run
 
     @property
     def loss_abs(self) -> float:
@@ -131,14 +132,72 @@ class Comparison:
         return self.loss_abs / max(abs(self.loss_ref), 1e-30)
 
     @property
+    def loss_ok(self) -> bool:
+        """Within tolerance of the reference, or (bf16) no further from fp32 than the reference's rounding."""
+        return self.loss_rel <= self.tolerance.loss_rel or (self.noise is not None and self.noise.loss_ok)
+
+    @property
+    def grads_ok(self) -> bool:
+        """Like :attr:`loss_ok`, every gradient tensor (NaN never is)."""
+        return self.grad_rel <= self.tolerance.grad_rel or (self.noise is not None and self.noise.grads_ok)
+
+    @property
     def ok(self) -> bool:
-        """Both within tolerance (NaN never is)."""
-        return self.loss_rel <= self.tolerance.loss_rel and self.grad_rel <= self.tolerance.grad_rel
+        """Loss and gradients within tolerance (NaN never is)."""
+        return self.loss_ok and self.grads_ok
 
     @property
     def exit_code(self) -> int:
         """0 on a match, 1 on a mismatch."""
         return 0 if self.ok else 1
+
+
+NOISE_FACTOR, NOISE_SLACK = 3.0, 1e-2
+"""bf16: SP passes a tensor when ``rel(SP, fp32) <= NOISE_FACTOR * rel(one process bf16, fp32) + NOISE_SLACK``
+(and the loss likewise, with ``NOISE_SLACK * 0.1``). The bf16 one-process run is itself off the fp32
+truth by its rounding (on tiny random models up to 0.6 of a tensor's largest gradient: 2 layers of
+chaotic attention), so a fixed bf16-vs-bf16 tolerance both flags rounding and could hide a bug. SP
+rounds other partial sums and runs its own kernels (fp32 softmax; sinks as an fp32 column), so on
+single tensors its bf16 error differs from transformers': the largest ratio seen over the 120
+exact families was 2.2x (GPT-OSS sink logits, the same at P=1: the kernel, not the split), hence 3x.
+A wrong mask or scale moves every tensor by O(1), far beyond 3x the rounding of the
+best-conditioned tensors (norms, lm_head: ~0.02-0.05)."""
+
+
+@dataclass
+class NoiseFloor:
+    """bf16 only: the reference's and SP's distance from an fp32 one-process run (the truth)."""
+
+    loss_ref: float  # |loss_ref_bf16 - loss_fp32| / |loss_fp32|
+    loss_sp: float  # |loss_sp_bf16 - loss_fp32| / |loss_fp32|
+    grad_worst: float  # max over tensors of rel(SP, fp32) - NOISE_FACTOR * rel(ref, fp32) (<= NOISE_SLACK passes)
+    grad_worst_name: str
+    grad_ref: float  # rel(ref, fp32) and rel(SP, fp32) of that tensor
+    grad_sp: float
+
+    @property
+    def loss_ok(self) -> bool:
+        return self.loss_sp <= NOISE_FACTOR * self.loss_ref + NOISE_SLACK * 0.1
+
+    @property
+    def grads_ok(self) -> bool:
+        return self.grad_worst <= NOISE_SLACK
+
+
+def noise_floor(truth: StepResult, ref: StepResult, sp: StepResult) -> NoiseFloor:
+    """How far the bf16 reference and the bf16 SP run each are from the fp32 run (per gradient tensor,
+    relative to that tensor's largest fp32 gradient, with the :data:`ZERO_GRAD_FLOOR` of the model's)."""
+    largest = max((g.abs().max().item() for g in truth.grads.values() if g is not None and g.numel()), default=0.0)
+    floor = ZERO_GRAD_FLOOR * largest if math.isfinite(largest) else 0.0
+    worst = (-math.inf, "-", 0.0, 0.0)
+    for name, g in truth.grads.items():
+        _, r_ref = _grad_diffs(g, ref.grads.get(name), floor)
+        _, r_sp = _grad_diffs(g, sp.grads.get(name), floor)
+        excess = _severity(r_sp) - NOISE_FACTOR * r_ref if math.isfinite(r_ref) else math.inf
+        if excess > worst[0]:
+            worst = (excess, name, r_ref, r_sp)
+    scale = max(abs(truth.loss), 1e-30)
+    return NoiseFloor(abs(ref.loss - truth.loss) / scale, abs(sp.loss - truth.loss) / scale, *worst)
 
 
 @dataclass
@@ -461,5 +520,8 @@ def run_check(opts: CheckOptions) -> CheckReport:
         torch.cuda.empty_cache()  # rank 0 shares this GPU
     sp = sp_step(opts, batch)
     comparison = compare(ref, sp, TOLERANCES[opts.dtype])
+    if opts.dtype != "float32":  # the truth both bf16 runs round away from: one process in fp32
+        truth = reference_step(load_model(replace(opts, dtype="float32"), device), batch)
+        comparison.noise = noise_floor(truth, ref, sp)
     return CheckReport(opts, model_class, num_params, kernel, _backend_label(opts.sp_size, opts.device), batch, comparison,
                        ref.seconds, sp.seconds)
