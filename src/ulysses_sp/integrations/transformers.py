@@ -282,6 +282,7 @@ class UlyssesSP:
         self._call_mask: GlobalMask | None = None  # ulysses_mask of the model call in progress
         self._aux_checked = False  # router_aux_loss has compared its formula with the model's own aux loss
         self._group_checked = False  # the first checked shard() samples every weight (_group_signature)
+        self._forward_args = frozenset(inspect.signature(type(self.base).forward).parameters)  # per-batch lookups
 
     def _group_signature(self) -> tuple[dict[str, list[int]], str]:
         """What every rank of the SP group must agree on, as integers, and the fix if they do not.
@@ -515,17 +516,16 @@ class UlyssesSP:
             shard = shard_batch(batch, self.mesh.sp_rank, self.mesh.sp_size, ignore_index=ignore_index)
         else:
             shard = self._shard_with_images(batch, media, ignore_index)
-        if "token_type_ids" in shard and "token_type_ids" not in inspect.signature(type(self.base).forward).parameters:
+        if "token_type_ids" in shard and "token_type_ids" not in self._forward_args:
             del shard["token_type_ids"]  # the model has no such argument: it ignores them without SP too
         return shard
 
     def _check_token_types(self, batch: Mapping[str, Any]) -> None:
         """Refuse image / prefix blocks that the model would let attend bidirectionally: the global
         mask is causal, so they would silently train causal under SP."""
-        declared = inspect.signature(type(self.base).forward).parameters
         for key in ("token_type_ids", "mm_token_type_ids"):
             types = batch.get(key)
-            if (key in declared and isinstance(types, torch.Tensor) and bool((types != 0).any())
+            if (key in self._forward_args and isinstance(types, torch.Tensor) and bool((types != 0).any())
                     and builds_bidirectional_blocks(self.base)):
                 raise ValueError(
                     f"batch[{key!r}] marks tokens that {type(self.base).__name__} lets attend bidirectionally "

@@ -187,8 +187,7 @@ class NoiseFloor:
 def noise_floor(truth: StepResult, ref: StepResult, sp: StepResult) -> NoiseFloor:
     """How far the bf16 reference and the bf16 SP run each are from the fp32 run (per gradient tensor,
     relative to that tensor's largest fp32 gradient, with the :data:`ZERO_GRAD_FLOOR` of the model's)."""
-    largest = max((g.abs().max().item() for g in truth.grads.values() if g is not None and g.numel()), default=0.0)
-    floor = ZERO_GRAD_FLOOR * largest if math.isfinite(largest) else 0.0
+    floor = _zero_grad_floor(truth)
     worst = (-math.inf, "-", 0.0, 0.0)
     for name, g in truth.grads.items():
         _, r_ref = _grad_diffs(g, ref.grads.get(name), floor)
@@ -464,6 +463,12 @@ With the floor, a difference is missed only if it is below 1e-4 x 1e-2 = 1e-6 of
 gradient: fp32 noise level of a sum over the sequence."""
 
 
+def _zero_grad_floor(ref: StepResult) -> float:
+    """:data:`ZERO_GRAD_FLOOR` x the largest gradient of ``ref`` (0 if that is not finite)."""
+    largest = max((g.abs().max().item() for g in ref.grads.values() if g is not None and g.numel()), default=0.0)
+    return ZERO_GRAD_FLOOR * largest if math.isfinite(largest) else 0.0
+
+
 def _grad_diffs(ref: torch.Tensor | None, sp: torch.Tensor | None, floor: float = 0.0) -> tuple[float, float]:
     """``(max |SP - ref|, that / max(max |ref|, max |SP|, floor))``; a missing or misshapen tensor is inf."""
     if ref is None or sp is None or ref.shape != sp.shape:
@@ -482,8 +487,7 @@ def compare(ref: StepResult, sp: StepResult, tolerance: Tolerance) -> Comparison
     """Loss and per-tensor gradient differences; the worst tensor by abs and by relative diff."""
     worst_abs, worst_rel = (0.0, "-"), (0.0, "-")
     names = sorted(set(ref.grads) | set(sp.grads))
-    largest = max((g.abs().max().item() for g in ref.grads.values() if g is not None and g.numel()), default=0.0)
-    floor = ZERO_GRAD_FLOOR * largest if math.isfinite(largest) else 0.0
+    floor = _zero_grad_floor(ref)
     for name in names:
         d_abs, d_rel = _grad_diffs(ref.grads.get(name), sp.grads.get(name), floor)
         if _severity(d_abs) > _severity(worst_abs[0]):
