@@ -19,6 +19,7 @@ from typing import Any
 
 from ulysses_sp.cli.train import lock, options
 from ulysses_sp.cli.train.rope_scaling import apply_rope_scaling, length_error
+from ulysses_sp.cli.train.stages import check_resume
 from ulysses_sp.cli.train.tasks import CopyTask, default_model_config
 from ulysses_sp.cli.train.worker import staging_dir
 
@@ -168,6 +169,11 @@ def plan(argv: list[str]) -> Plan:
     _check_eval_and_lora(margs, targs)
     output_dir = _output_dir(argv, targs, margs.overwrite_output_dir)
     _check_staging(output_dir, targs, margs.overwrite_output_dir)
+    if targs.resume_from_checkpoint is not None:  # a later stage: other sizes, but no sharded state across them
+        try:
+            check_resume(Path(targs.resume_from_checkpoint), world, spargs.dp_size, targs.max_steps)
+        except ValueError as err:
+            raise TrainInputError(str(err)) from err
     try:
         _check_reporting(targs)
         _check_model(margs, spargs)

@@ -136,6 +136,7 @@ def _train(margs, spargs, targs, output_dir: str) -> dict[str, Any] | None:
 
     from ulysses_sp import UlyssesTrainer
     from ulysses_sp.cli.train.metrics import MetricsCallback
+    from ulysses_sp.cli.train.stages import StageCallback, checkpoint_stages, stage_record
 
     final, staging = Path(output_dir), staging_dir(output_dir)
     rank0 = dist.get_rank() == 0
@@ -162,8 +163,11 @@ def _train(margs, spargs, targs, output_dir: str) -> dict[str, Any] | None:
               f"(--packing-strategy {margs.packing_strategy if margs.packing else 'none'})", flush=True)
     callback = MetricsCallback(staging / "metrics.jsonl", eval_rows, progress=progress,
                                elapsed_offset=float(offset[0]))
+    resume = targs.resume_from_checkpoint
+    stages = StageCallback(stage_record(margs, spargs, dist.get_world_size(), model.config),
+                           checkpoint_stages(Path(resume)) if resume else [])  # run.json + checkpoints: the stages
     trainer = UlyssesTrainer(model=model, args=targs, train_dataset=train_dataset, eval_dataset=eval_dataset,
-                             data_collator=collator, processing_class=tokenizer, callbacks=[callback],
+                             data_collator=collator, processing_class=tokenizer, callbacks=[callback, stages],
                              sp_config=spargs.to_config())
     callback.ulysses = trainer.ulysses
     trainer.remove_callback(PrinterCallback)  # our progress bar shows the logs
@@ -176,7 +180,7 @@ def _train(margs, spargs, targs, output_dir: str) -> dict[str, Any] | None:
     dist.barrier()
     summary = None
     if rank0:
-        summary = _finish(margs, spargs, seconds, staging, final, data_summary, callback.summary)
+        summary = _finish(margs, spargs, seconds, staging, final, data_summary, callback.summary, stages.stages)
     close_world()  # barrier + destroy_process_group, without gloo's exit deadlock (see its docstring)
     return summary
 
@@ -197,7 +201,9 @@ def _prepare_staging(staging: Path, resume_from: str | None) -> float:
     New run: an empty directory (``launch.plan`` refused to start if the old one held checkpoints and
     --overwrite-output-dir was not given). Resume: the stopped run's directory, with ``metrics.jsonl``
     cut back to the checkpoint's step (the steps after it are trained again) and the earlier run's
-    elapsed time, the largest ``elapsed_seconds`` it logged, carried on.
+    elapsed time, the largest ``elapsed_seconds`` it logged, carried on. A later stage in a new
+    directory (``stages``) starts from the checkpoint's run's ``metrics.jsonl`` (its parent directory),
+    cut at the checkpoint's step, and its elapsed time up to that step.
     """
     if resume_from is None:
         shutil.rmtree(staging, ignore_errors=True)
@@ -205,20 +211,22 @@ def _prepare_staging(staging: Path, resume_from: str | None) -> float:
         return 0.0
     staging.mkdir(parents=True, exist_ok=True)
     path = staging / "metrics.jsonl"
-    if not path.exists():
+    source = path if path.exists() else Path(resume_from).parent / "metrics.jsonl"
+    if not source.exists():
         return 0.0
     from ulysses_sp.cli.train.plot import read_metrics
+    from ulysses_sp.cli.train.stages import checkpoint_step
 
-    records = read_metrics(path)
-    state = Path(resume_from) / "trainer_state.json"
-    step = json.loads(state.read_text()).get("global_step", 0) if state.is_file() else None
+    records = read_metrics(source)
+    step = checkpoint_step(Path(resume_from))
     kept = [r for r in records if step is None or r.get("step", 0) <= step]
     path.write_text("".join(json.dumps(r) + "\n" for r in kept))
-    return max((float(r.get("elapsed_seconds", 0.0)) for r in records), default=0.0)
+    timed = records if source == path else kept  # this directory's run trained all its seconds
+    return max((float(r.get("elapsed_seconds", 0.0)) for r in timed), default=0.0)
 
 
 def _finish(margs, spargs, seconds: float, staging: Path, final: Path, data_summary: dict | None,
-            trainer_summary: dict | None = None) -> dict[str, Any]:
+            trainer_summary: dict | None = None, stages: list[dict] | None = None) -> dict[str, Any]:
     """Rank 0: run.json + metrics.png into ``staging``, then rename it to ``final``."""
     from ulysses_sp.cli.train.plot import plot_metrics, read_metrics, record_split
 
@@ -236,12 +244,14 @@ def _finish(margs, spargs, seconds: float, staging: Path, final: Path, data_summ
         "model": margs.model or "embedded-llama", "dataset": margs.dataset, "data": data_summary,
         "lora_r": margs.lora_r or None,
         "final": train[-1] if train else None, "first": train[0] if train else None,
-        "final_eval": evals[-1] if evals else None, "trainer_summary": trainer_summary,
+        "final_eval": evals[-1] if evals else None, "trainer_summary": trainer_summary, "stages": stages,
     }
     if records:
         data = "copy task" if margs.uses_task else ", ".join(Path(d).name for d in margs.dataset or [])
-        title = (f"{Path(margs.model).name if margs.model else 'embedded Llama'} on {data}: S={margs.seq_len}, "
-                 f"SP={spargs.sp_size} x DP={world // spargs.sp_size}")
+        earlier = [s for s in (stages or [])[:-1] if s.get("seq_len")]
+        staged = "".join(f"{s['seq_len']} (SP={s['sp_size']}) -> " for s in earlier)  # a staged extension
+        title = (f"{Path(margs.model).name if margs.model else 'embedded Llama'} on {data}: S={staged}"
+                 f"{margs.seq_len}, SP={spargs.sp_size} x DP={world // spargs.sp_size}")
         plot_metrics(records, staging / "metrics.png", title, chance)
     (staging / "run.json").write_text(json.dumps(summary, indent=2) + "\n")
     if final.exists():
