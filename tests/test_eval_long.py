@@ -119,3 +119,59 @@ def test_passkey_rows_plant_the_key_at_the_depth(tmp_path):
         task.sample(20, 0.5, random.Random(0))
     with pytest.raises(ValueError, match="does not exist"):
         load_filler(str(tmp_path / "missing.txt"))
+
+
+def _save_tiny_passkey_model(path):
+    """A tiny random Llama over the built-in character tokenizer, saved with it (as train saves one)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = char_tokenizer()
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128, pad_token_id=0,
+                         bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return model, tok
+
+
+def test_eval_long_cli_end_to_end(tmp_path, capsys):
+    """Bug caught: eval-long not registered, not launching SP ranks, scoring other rows than it says,
+    losing cells, or refusing lengths past max_position_embeddings (the unextended-model measurement):
+    the JSON cells equal a one-process computation of the same rows, and the table is printed."""
+    from ulysses_sp.cli.main import main
+    from ulysses_sp.cli.train.passkey import cell_rows
+
+    model, tok = _save_tiny_passkey_model(tmp_path / "model")
+    (tmp_path / "filler.txt").write_text("a quiet filler line without digits. " * 20)
+    out = tmp_path / "cells.json"
+    argv = ["eval-long", "--model", str(tmp_path / "model"), "--lengths", "120", "200", "--depths", "0.2", "0.8",
+            "--samples", "2", "--digits", "3", "--filler", str(tmp_path / "filler.txt"), "--sp-size", "2",
+            "--output", str(out)]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "depth 0.2" in printed and "past the model's max_position_embeddings=128" in printed
+    result = json.loads(out.read_text())
+    assert result["sp_size"] == 2 and [(c["length"], c["depth"]) for c in result["cells"]] == [
+        (120, 0.2), (120, 0.8), (200, 0.2), (200, 0.8)]
+    task = PasskeyTask(tok, load_filler(str(tmp_path / "filler.txt")), digits=3)
+    for cell in result["cells"]:
+        rows = cell_rows(task, cell["length"], cell["depth"], 2)
+        with torch.no_grad():
+            ref = _reference_scores(model(input_ids=rows["input_ids"]).logits, rows["labels"])
+        # tolerance: as LL_RTOL (fp32, the same per-token terms summed in another order)
+        assert abs(cell["mean_log_likelihood"] - float(ref.mean_log_likelihood.mean())) < 1e-4, cell
+        assert cell["exact_match"] == float(ref.exact_match.double().mean())
+        assert cell["token_accuracy"] == ref.token_accuracy
+
+
+def test_eval_long_refuses_bad_input(tmp_path, capsys):
+    """Bug caught: a missing model or a length too short for the key starting processes anyway."""
+    from ulysses_sp.cli.main import main
+
+    assert main(["eval-long", "--model", str(tmp_path / "missing"), "--lengths", "256"]) == 2
+    assert "not a directory" in capsys.readouterr().err
+    _save_tiny_passkey_model(tmp_path / "model")
+    assert main(["eval-long", "--model", str(tmp_path / "model"), "--lengths", "40"]) == 2
+    assert "at least" in capsys.readouterr().err

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ulysses_sp.cli.train import lock, options
-from ulysses_sp.cli.train.tasks import CopyTask, default_model_config
+from ulysses_sp.cli.train.tasks import CopyTask, embedded_model_config
 from ulysses_sp.cli.train.worker import staging_dir
 
 PRELOAD = ["torch", "torch.distributed", "transformers", "transformers.modeling_utils", "transformers.trainer",
@@ -74,8 +74,7 @@ def _model_config(margs: options.ModelDataArguments):
     from transformers import AutoConfig
 
     if margs.model is None:
-        return default_model_config(CopyTask(margs.seq_len, margs.task_vocab_size), margs.hidden_size,
-                                    margs.num_layers, margs.num_heads)
+        return embedded_model_config(margs)
     path = Path(margs.model).expanduser()
     if not path.exists() and (margs.model.startswith((".", "/", "~")) or margs.model.count("/") > 1):
         raise TrainInputError(f"--model {margs.model} does not exist; give a local model directory "
@@ -112,7 +111,10 @@ def _check_model(margs: options.ModelDataArguments, spargs: options.SPArguments)
     if limit is not None and margs.seq_len > limit:
         raise TrainInputError(f"--seq-len {margs.seq_len} is longer than the model allows "
                               f"(max_position_embeddings={limit}); use --seq-len <= {limit}.")
-    if margs.uses_task and margs.task_vocab_size > config.get_text_config().vocab_size:
+    from ulysses_sp.cli.train.passkey import check_passkey_options
+
+    check_passkey_options(margs, config.get_text_config().vocab_size)
+    if margs.uses_task and margs.task == "copy" and margs.task_vocab_size > config.get_text_config().vocab_size:
         raise TrainInputError(f"--task-vocab-size {margs.task_vocab_size} exceeds the model's vocab_size "
                               f"{config.get_text_config().vocab_size}.")
 
@@ -124,7 +126,8 @@ def _check_data(margs: options.ModelDataArguments) -> None:
     from ulysses_sp.cli.train.validate import validate_files
 
     if margs.uses_task:
-        CopyTask(margs.seq_len, margs.task_vocab_size)
+        if margs.task == "copy":
+            CopyTask(margs.seq_len, margs.task_vocab_size)
         return
     tokenizer = load_tokenizer(margs.model)
     if margs.assistant_only_loss and not re.search(r"{%-?\s*generation\s*-?%}", tokenizer.chat_template or ""):

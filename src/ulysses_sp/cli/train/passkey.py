@@ -205,3 +205,77 @@ def passkey_scores(model: torch.nn.Module, rows: dict[str, torch.Tensor], ulysse
         parts.append(answer_scores(logits, labels, group))
     model.train(was_training)
     return AnswerScores.cat(parts)
+
+
+def passkey_task(margs: Any, filler_path: str | None) -> tuple[PasskeyTask, Any]:
+    """``(task, tokenizer)`` of a train run: ``--model``'s own tokenizer, or the built-in one without ``--model``."""
+    from ulysses_sp.cli.train.data import load_tokenizer
+
+    tokenizer = load_tokenizer(margs.model) if margs.model is not None else char_tokenizer()
+    return PasskeyTask(tokenizer, load_filler(filler_path), margs.passkey_digits), tokenizer
+
+
+def check_passkey_options(margs: Any, vocab_size: int) -> None:
+    """Before launch: the rows fit ``--seq-len`` and every eval length, the tokenizer fits the model.
+
+    Raises:
+        ValueError: with the option to change.
+    """
+    wants_eval = bool(margs.eval_passkey_lengths)
+    if not (margs.uses_task and margs.task == "passkey") and not wants_eval:
+        return
+    if wants_eval and margs.eval_passkey_samples < 1:
+        raise ValueError(f"--eval-passkey-samples must be >= 1, got {margs.eval_passkey_samples}.")
+    bad = [d for d in margs.eval_passkey_depths if not 0.0 <= d <= 1.0]
+    if wants_eval and (bad or not margs.eval_passkey_depths):
+        raise ValueError(f"--eval-passkey-depths are fractions in [0, 1], got {margs.eval_passkey_depths}.")
+    task, tokenizer = passkey_task(margs, margs.eval_passkey_filler or margs.passkey_filler)
+    if len(tokenizer) > vocab_size:
+        raise ValueError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {vocab_size}; "
+                         "give a --model whose tokenizer matches it.")
+    lengths = ([margs.seq_len] if margs.uses_task and margs.task == "passkey" else []) + list(
+        margs.eval_passkey_lengths or [])
+    short = [n for n in lengths if n < task.min_length()]
+    if short:
+        raise ValueError(f"passkey rows need at least {task.min_length()} tokens with this tokenizer and "
+                         f"--passkey-digits {margs.passkey_digits}; raise --seq-len / --eval-passkey-lengths {short}.")
+
+
+def cell_rows(task: PasskeyTask, length: int, depth: float, samples: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """The ``samples`` rows :func:`passkey_grid` scores for one (length, depth) cell (its own seed)."""
+    return task.rows(length, [depth] * samples, seed=seed * 1_000_003 + length * 1009 + round(depth * 1000))
+
+
+def passkey_grid(model: torch.nn.Module, ulysses: Any, task: PasskeyTask, lengths: list[int], depths: list[float],
+                 samples: int, seed: int = 0) -> list[dict[str, float]]:
+    """Scores of ``samples`` rows per (length, depth) cell under SP (every rank of the group calls this).
+
+    Returns:
+        One dict per cell: ``length``, ``depth``, ``exact_match`` (fraction of rows whose whole key is
+        predicted), ``token_accuracy`` (key tokens), ``mean_log_likelihood`` (per key token, mean over rows).
+    """
+    cells = []
+    for length in lengths:
+        batch_size = max(1, 8192 // length)
+        for depth in depths:
+            rows = cell_rows(task, length, depth, samples, seed)
+            scores = passkey_scores(model, rows, ulysses, batch_size=batch_size)
+            cells.append({"length": length, "depth": depth,
+                          "exact_match": float(scores.exact_match.double().mean()),
+                          "token_accuracy": scores.token_accuracy,
+                          "mean_log_likelihood": float(scores.mean_log_likelihood.mean())})
+    return cells
+
+
+def format_grid(cells: list[dict[str, float]]) -> str:
+    """A length x depth table of exact-match accuracy (mean log-likelihood per key token in brackets)."""
+    depths = sorted({c["depth"] for c in cells})
+    lines = ["length  " + "".join(f"{'depth ' + format(d, 'g'):>17}" for d in depths) + f"{'mean':>17}"]
+    for length in sorted({c["length"] for c in cells}):
+        row = [c for c in cells if c["length"] == length]
+        by_depth = {c["depth"]: c for c in row}
+        mean = {k: sum(c[k] for c in row) / len(row) for k in ("exact_match", "mean_log_likelihood")}
+        items = [by_depth[d] for d in depths if d in by_depth] + [mean]
+        lines.append(f"{length:<8}" + "".join(f"{c['exact_match']:>8.2f} ({c['mean_log_likelihood']:6.2f})"
+                                            for c in items))
+    return "\n".join(lines)
