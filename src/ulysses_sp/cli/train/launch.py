@@ -1,7 +1,7 @@
 """Validate a ``ulysses-sp train`` run before any worker starts, then launch the workers.
 
     1. validate   options, output directory, model (config only, on the meta device: head split,
-                  max_position_embeddings), data (files exist, rows have a known format)
+                  --seq-len covered by its positions, RoPE scaling applied: rope_scaling.py), data (files exist, rows have a known format)
     2. launch     ``torch.distributed.launcher.elastic_launch`` (what ``torchrun`` runs) with the
                   torchrun options of ``LaunchArguments``; workers are forked from a fork server
                   that imported torch and transformers once. Under ``torchrun`` (RANK set) the
@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ulysses_sp.cli.train import lock, options
+from ulysses_sp.cli.train.rope_scaling import apply_rope_scaling, length_error
 from ulysses_sp.cli.train.tasks import CopyTask, embedded_model_config
 from ulysses_sp.cli.train.worker import staging_dir
 
@@ -93,7 +94,7 @@ def _check_model(margs: options.ModelDataArguments, spargs: options.SPArguments)
 
     from ulysses_sp import check_model_support
 
-    config = _model_config(margs)
+    config = apply_rope_scaling(_model_config(margs), margs)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, attn_implementation=margs.attn_implementation)
     try:
@@ -107,10 +108,9 @@ def _check_model(margs: options.ModelDataArguments, spargs: options.SPArguments)
         if missing:
             raise TrainInputError(f"--lora-target-modules {missing} match no linear layer of {type(model).__name__}; "
                                   f"its linear layers: {sorted(names)} (or all-linear).")
-    limit = getattr(config.get_text_config(), "max_position_embeddings", None)
-    if limit is not None and margs.seq_len > limit:
-        raise TrainInputError(f"--seq-len {margs.seq_len} is longer than the model allows "
-                              f"(max_position_embeddings={limit}); use --seq-len <= {limit}.")
+    too_long = length_error(config, margs.seq_len)  # covered by the model's positions, scaled ones included
+    if too_long:
+        raise TrainInputError(too_long)
     from ulysses_sp.cli.train.passkey import check_passkey_options
 
     check_passkey_options(margs, config.get_text_config().vocab_size)

@@ -179,6 +179,18 @@ class ModelDataArguments:
     num_layers: int = field(default=2, metadata={"help": "embedded model: decoder layers"})
     num_heads: int = field(default=4, metadata={"help": "embedded model: attention heads (fewer than --sp-size: Ulysses x ring)"})
     overwrite_output_dir: bool = field(default=False, metadata={"help": "replace a non-empty --output-dir"})
+    rope_scaling: str | None = field(default=None, metadata={
+        "help": "extend the model past its pretrained length: transformers' rope_type, written into the saved "
+                "config.json (docs/train.md, Long context)", "choices": ["linear", "dynamic", "yarn", "llama3"]})
+    rope_factor: float | None = field(default=None, metadata={"help": "RoPE scaling factor: new length / original "
+                                                               "length"})
+    rope_original_max_position_embeddings: int | None = field(default=None, metadata={
+        "help": "the length the model was pretrained at (default: its max_position_embeddings)"})
+    rope_theta: float | None = field(default=None, metadata={"help": "RoPE base (default: the model's)"})
+    rope_low_freq_factor: float = field(default=1.0, metadata={"help": "--rope-scaling llama3: low_freq_factor"})
+    rope_high_freq_factor: float = field(default=4.0, metadata={"help": "--rope-scaling llama3: high_freq_factor"})
+    max_position_embeddings: int | None = field(default=None, metadata={
+        "help": "the length the model declares (default: rope factor x original length, or the model's)"})
 
     @property
     def uses_task(self) -> bool:

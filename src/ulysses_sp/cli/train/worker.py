@@ -1,7 +1,8 @@
 """One rank of ``ulysses-sp train`` (started by torch's elastic launcher, or by ``torchrun``).
 
     1. process group   gloo on CPU, NCCL on GPU (env:// from the launcher); options re-parsed
-    2. model           the embedded Llama (seeded random init) or ``--model`` (from_pretrained)
+    2. model           the embedded Llama (seeded random init) or ``--model`` (from_pretrained), with
+                       the --rope-* scaling applied to its config first (rope_scaling.py)
     3. data            the copy task (train rows + held-out rows) or the user's data (data.py)
     4. train           ``UlyssesTrainer`` (every TrainingArguments option) + MetricsCallback
     5. finish (rank 0) save the model (+ tokenizer), run.json, metrics.png into the STAGING
@@ -24,6 +25,7 @@ import torch.distributed as dist
 
 from ulysses_sp import close_world
 from ulysses_sp.cli.train import options
+from ulysses_sp.cli.train.rope_scaling import apply_rope_scaling
 from ulysses_sp.cli.train.tasks import CopyTask, embedded_model_config
 from ulysses_sp.cli.train.watchdog import Heartbeat, is_timeout, timeout_message
 
@@ -60,10 +62,13 @@ def build_model(margs: options.ModelDataArguments, seed: int):
     if margs.model is None or margs.random_init:
         kwargs["dtype"] = torch.float32 if dtype == "auto" else dtype  # from_config has no "auto"
     if margs.model is None:
-        return AutoModelForCausalLM.from_config(embedded_model_config(margs), **kwargs)
-    if margs.random_init:
-        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(margs.model), **kwargs)
-    return AutoModelForCausalLM.from_pretrained(margs.model, **kwargs)
+        config = embedded_model_config(margs)
+    else:
+        config = AutoConfig.from_pretrained(margs.model)
+    config = apply_rope_scaling(config, margs)  # before the model exists: its rotary embedding is the scaled one
+    if margs.model is None or margs.random_init:
+        return AutoModelForCausalLM.from_config(config, **kwargs)
+    return AutoModelForCausalLM.from_pretrained(margs.model, config=config, **kwargs)
 
 
 def build_data(margs: options.ModelDataArguments, seed: int, want_eval: bool):
