@@ -13,10 +13,11 @@ Main entry points (all importable from ``ulysses_sp``):
                                     exact attention over a sequence sharded across sp ranks
     GlobalMask, shard_batch, UlyssesDataLoader, global_num_items, reported_loss, tiled_token_loss
                                     the layers underneath (data, loss)
+    answer_scores, AnswerScores     teacher-forced passkey / needle scores under SP (eval-long)
     apply_tiled_mlp, ActivationOffload, estimate_peak_memory
                                     memory features and the peak-memory estimator
     CommCounter, attention_comm     communication instrumentation and its formulas
-    ulysses-sp (CLI)                `train` (the main job), `plan`, `bench`, `check`, `demo`:
+    ulysses-sp (CLI)                `train` (the main job), `eval-long`, `plan`, `bench`, `check`, `demo`:
                                     applications of the names above (ulysses_sp.cli)
 
 Names that need transformers / accelerate / trl (the integrations) load on first use, so
@@ -40,7 +41,7 @@ from ulysses_sp.config import ATTN_IMPLEMENTATIONS, IGNORE_INDEX, SP_BACKENDS, U
 from ulysses_sp.data import (
     PACKED_KEYS, ShardedBatch, UlyssesDataLoader, check_batch, dp_sampler_kwargs, shard_batch, validate_same_batch,
 )
-from ulysses_sp.loss import global_num_items, reported_loss, sp_token_loss, tiled_token_loss
+from ulysses_sp.loss import AnswerScores, answer_positions, answer_scores, global_num_items, reported_loss, sp_token_loss, tiled_token_loss
 from ulysses_sp.memory import (
     ActivationOffload, MemoryBreakdown, MemoryFeatures, ModelDims, OffloadStats, TiledMLP, TiledMoE, apply_tiled_mlp,
     estimate_peak_memory, longest_sequence, remove_tiled_mlp,
@@ -63,10 +64,10 @@ _LAZY = {
 
 __all__ = [
     "ATTN_IMPLEMENTATIONS", "DEFAULT_TIMEOUT_S", "IGNORE_INDEX", "KERNELS", "PACKED_KEYS", "SP_BACKENDS",
-    "ActivationOffload", "AttentionComm", "CommCounter", "GlobalMask", "MemoryBreakdown", "MemoryFeatures",
+    "ActivationOffload", "AnswerScores", "AttentionComm", "CommCounter", "GlobalMask", "MemoryBreakdown", "MemoryFeatures",
     "ModelDims", "OffloadStats", "RingAttention", "SPAttention", "SPMesh", "ShardedBatch", "TiledMLP", "TiledMoE",
     "UlyssesAttention", "UlyssesDataLoader", "UlyssesSPConfig",
-    "all_reduce_sum", "apply_tiled_mlp", "attention_comm", "auto_ring_size", "build_attention", "check_batch",
+    "all_reduce_sum", "answer_positions", "answer_scores", "apply_tiled_mlp", "attention_comm", "auto_ring_size", "build_attention", "check_batch",
     "check_same_across_ranks", "check_sp_size", "close_world", "collective_device", "dp_sampler_kwargs", "estimate_peak_memory",
     "free_port", "gather_signature", "get_kernel", "global_num_items", "local_backend", "longest_sequence", "remove_tiled_mlp", "reported_loss",
     "shard_batch", "sp_token_loss", "spawn", "tiled_token_loss", "validate_same_batch",

@@ -17,6 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("ulysses_sp.cli.plan", "predicted peak memory per rank and the memory features that fit a budget"),
     "bench": ("ulysses_sp.cli.bench", "step time, memory, bytes: our Ulysses vs DeepSpeed's, ring, one process"),
     "train": ("ulysses_sp.cli.train", "train a causal LM with SP (default: a long-range copy task, 2 processes)"),
+    "eval-long": ("ulysses_sp.cli.eval_long", "passkey retrieval of a saved model at long lengths and depths, under SP"),
 }
 
 

@@ -85,7 +85,7 @@ def describe_failure(err: BaseException) -> str:
 
 def describe(p) -> str:
     """The line printed before launching: model, data, layout, backend, output directory."""
-    what = "copy task" if p.margs.uses_task else ", ".join(p.margs.dataset or [])
+    what = f"{p.margs.task} task" if p.margs.uses_task else ", ".join(p.margs.dataset or [])
     return (f"ulysses-sp train: {p.margs.model or 'embedded Llama'} on {what}, S={p.margs.seq_len}, "
             f"SP={p.spargs.sp_size} x DP={p.spargs.dp_size} ({p.world_size} processes, "
             f"{'NCCL on GPUs' if p.use_cuda else 'gloo on CPU'}); output {p.output_dir}")
@@ -107,6 +107,7 @@ def format_summary(summary: dict, output_dir) -> str:
         lines.append(f"  data: {d['documents']} documents, {d['tokens_in_data']} tokens; {d['tokens_per_epoch']} tokens "
                      "trained per epoch")
     if "accuracy" in final:
-        lines.append(f"  copy-task accuracy {first['accuracy']:.3f} -> {final['accuracy']:.3f} "
-                     f"(chance {summary['chance_accuracy']:.3f})")
+        chance = summary.get("chance_accuracy")
+        lines.append(f"  {summary.get('task') or 'copy'}-task accuracy {first['accuracy']:.3f} -> {final['accuracy']:.3f}"
+                     + (f" (chance {chance:.3f})" if chance is not None else " (answer tokens of held-out rows)"))
     return "\n".join(lines)

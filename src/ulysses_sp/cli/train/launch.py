@@ -20,7 +20,7 @@ from typing import Any
 from ulysses_sp.cli.train import lock, options
 from ulysses_sp.cli.train.rope_scaling import apply_rope_scaling, length_error
 from ulysses_sp.cli.train.stages import check_resume
-from ulysses_sp.cli.train.tasks import CopyTask, default_model_config
+from ulysses_sp.cli.train.tasks import CopyTask, embedded_model_config
 from ulysses_sp.cli.train.worker import staging_dir
 
 PRELOAD = ["torch", "torch.distributed", "transformers", "transformers.modeling_utils", "transformers.trainer",
@@ -76,8 +76,7 @@ def _model_config(margs: options.ModelDataArguments):
     from transformers import AutoConfig
 
     if margs.model is None:
-        return default_model_config(CopyTask(margs.seq_len, margs.task_vocab_size), margs.hidden_size,
-                                    margs.num_layers, margs.num_heads)
+        return embedded_model_config(margs)
     path = Path(margs.model).expanduser()
     if not path.exists() and (margs.model.startswith((".", "/", "~")) or margs.model.count("/") > 1):
         raise TrainInputError(f"--model {margs.model} does not exist; give a local model directory "
@@ -113,7 +112,10 @@ def _check_model(margs: options.ModelDataArguments, spargs: options.SPArguments)
     too_long = length_error(config, margs.seq_len)  # covered by the model's positions, scaled ones included
     if too_long:
         raise TrainInputError(too_long)
-    if margs.uses_task and margs.task_vocab_size > config.get_text_config().vocab_size:
+    from ulysses_sp.cli.train.passkey import check_passkey_options
+
+    check_passkey_options(margs, config.get_text_config().vocab_size)
+    if margs.uses_task and margs.task == "copy" and margs.task_vocab_size > config.get_text_config().vocab_size:
         raise TrainInputError(f"--task-vocab-size {margs.task_vocab_size} exceeds the model's vocab_size "
                               f"{config.get_text_config().vocab_size}.")
 
@@ -125,7 +127,8 @@ def _check_data(margs: options.ModelDataArguments) -> None:
     from ulysses_sp.cli.train.validate import validate_files
 
     if margs.uses_task:
-        CopyTask(margs.seq_len, margs.task_vocab_size)
+        if margs.task == "copy":
+            CopyTask(margs.seq_len, margs.task_vocab_size)
         return
     tokenizer = load_tokenizer(margs.model)
     if margs.assistant_only_loss and not re.search(r"{%-?\s*generation\s*-?%}", tokenizer.chat_template or ""):

@@ -157,9 +157,24 @@ class ModelDataArguments:
     lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"], metadata={
         "help": "module names LoRA adapts (e.g. q_proj v_proj); all-linear = every linear layer but the head"})
     seq_len: int = field(default=512, metadata={"help": "global tokens per row, split over --sp-size ranks"})
+    task: str = field(default="copy", metadata={"help": "embedded task without --dataset: copy (a long-range copy) "
+                                                "or passkey (a key at a random depth of filler text, asked for at "
+                                                "the end; the model's tokenizer, or a built-in character one)",
+                                                "choices": ["copy", "passkey"]})
     task_vocab_size: int = field(default=64, metadata={"help": "copy task: token ids (3 are special)"})
     task_train_rows: int = field(default=4096, metadata={"help": "copy task: training rows"})
     task_eval_rows: int = field(default=32, metadata={"help": "copy task: held-out rows for the accuracy"})
+    passkey_digits: int = field(default=4, metadata={"help": "passkey task / eval: digits of the key"})
+    passkey_filler: str | None = field(default=None, metadata={"help": "passkey task: filler text (.txt, or .jsonl "
+                                                               "rows with 'text'); default: built-in sentences"})
+    eval_passkey_lengths: list[int] | None = field(default=None, metadata={
+        "help": "passkey eval under SP at these lengths (before training, at every evaluation, at the end): "
+                "accuracy by length and depth in metrics.jsonl and a heat map in metrics.png"})
+    eval_passkey_depths: list[float] = field(default_factory=lambda: [0.1, 0.5, 0.9], metadata={
+        "help": "passkey eval: depths of the key (fractions of the filler before it)"})
+    eval_passkey_samples: int = field(default=8, metadata={"help": "passkey eval: rows per length and depth"})
+    eval_passkey_filler: str | None = field(default=None, metadata={"help": "passkey eval: filler text (default: "
+                                                                    "--passkey-filler, else built-in)"})
     hidden_size: int = field(default=64, metadata={"help": "embedded model: hidden size"})
     num_layers: int = field(default=2, metadata={"help": "embedded model: decoder layers"})
     num_heads: int = field(default=4, metadata={"help": "embedded model: attention heads (fewer than --sp-size: Ulysses x ring)"})

@@ -81,3 +81,20 @@ def default_model_config(task: CopyTask, hidden_size: int = 128, num_layers: int
         max_position_embeddings=max(task.seq_len, 1024), pad_token_id=PAD, bos_token_id=BOS, eos_token_id=SEP,
         tie_word_embeddings=False, rope_theta=10000.0,
     )
+
+
+def embedded_model_config(margs):
+    """The config of the embedded model (no ``--model``) for ``margs.task``.
+
+    copy: :func:`default_model_config`. passkey: the same Llama over the built-in character tokenizer's
+    ids, with ``max_position_embeddings = --seq-len`` (the length it is trained at: its native length,
+    which a later run extends with RoPE scaling).
+    """
+    task = CopyTask(margs.seq_len if margs.seq_len % 2 == 0 else margs.seq_len + 1, margs.task_vocab_size)
+    config = default_model_config(task, margs.hidden_size, margs.num_layers, margs.num_heads)
+    if getattr(margs, "task", "copy") == "passkey":
+        from ulysses_sp.cli.train.passkey import char_tokenizer
+
+        config.vocab_size = len(char_tokenizer())
+        config.max_position_embeddings = margs.seq_len
+    return config

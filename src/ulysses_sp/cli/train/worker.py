@@ -26,7 +26,7 @@ import torch.distributed as dist
 from ulysses_sp import close_world
 from ulysses_sp.cli.train import options
 from ulysses_sp.cli.train.rope_scaling import apply_rope_scaling
-from ulysses_sp.cli.train.tasks import CopyTask, default_model_config
+from ulysses_sp.cli.train.tasks import CopyTask, embedded_model_config
 from ulysses_sp.cli.train.watchdog import Heartbeat, is_timeout, timeout_message
 
 STAGING_SUFFIX = ".incomplete"
@@ -62,8 +62,7 @@ def build_model(margs: options.ModelDataArguments, seed: int):
     if margs.model is None or margs.random_init:
         kwargs["dtype"] = torch.float32 if dtype == "auto" else dtype  # from_config has no "auto"
     if margs.model is None:
-        task = CopyTask(margs.seq_len, margs.task_vocab_size)
-        config = default_model_config(task, margs.hidden_size, margs.num_layers, margs.num_heads)
+        config = embedded_model_config(margs)
     else:
         config = AutoConfig.from_pretrained(margs.model)
     config = apply_rope_scaling(config, margs)  # before the model exists: its rotary embedding is the scaled one
@@ -82,6 +81,15 @@ def build_data(margs: options.ModelDataArguments, seed: int, want_eval: bool):
     """
     from ulysses_sp.cli.train.data import LMCollator, load_tokenizer, prepare_data
 
+    if margs.uses_task and margs.task == "passkey":
+        from ulysses_sp.cli.train.passkey import passkey_task
+
+        task, tokenizer = passkey_task(margs, margs.passkey_filler)
+        rows = task.dataset(margs.task_train_rows + margs.task_eval_rows, margs.seq_len, seed=seed + 1)
+        train, held_out = rows[:margs.task_train_rows], rows[margs.task_train_rows:]
+        eval_rows = {k: torch.stack([r[k] for r in held_out]) for k in ("input_ids", "labels")}
+        return (train, held_out if want_eval else None, LMCollator(pad_token_id=tokenizer.pad_token_id or 0),
+                eval_rows, tokenizer, None)
     if margs.uses_task:
         task = CopyTask(margs.seq_len, margs.task_vocab_size)
         eval_rows = task.rows(margs.task_eval_rows, seed=seed + 1_000_003)
@@ -236,18 +244,19 @@ def _finish(margs, spargs, seconds: float, staging: Path, final: Path, data_summ
     evals = [r for r in records if record_split(r) != "train"]
 
     world = dist.get_world_size()
-    chance = CopyTask(margs.seq_len, margs.task_vocab_size).chance_accuracy if margs.uses_task else None
+    copy = margs.uses_task and margs.task == "copy"
+    chance = CopyTask(margs.seq_len, margs.task_vocab_size).chance_accuracy if copy else None
     summary = {
         "complete": True, "train_seconds": seconds, "world_size": world, "sp_size": spargs.sp_size,
         "dp_size": world // spargs.sp_size, "seq_len": margs.seq_len,
-        "task": "copy" if margs.uses_task else None, "chance_accuracy": chance,
+        "task": margs.task if margs.uses_task else None, "chance_accuracy": chance,
         "model": margs.model or "embedded-llama", "dataset": margs.dataset, "data": data_summary,
         "lora_r": margs.lora_r or None,
         "final": train[-1] if train else None, "first": train[0] if train else None,
         "final_eval": evals[-1] if evals else None, "trainer_summary": trainer_summary, "stages": stages,
     }
     if records:
-        data = "copy task" if margs.uses_task else ", ".join(Path(d).name for d in margs.dataset or [])
+        data = f"{margs.task} task" if margs.uses_task else ", ".join(Path(d).name for d in margs.dataset or [])
         earlier = [s for s in (stages or [])[:-1] if s.get("seq_len")]
         staged = "".join(f"{s['seq_len']} (SP={s['sp_size']}) -> " for s in earlier)  # a staged extension
         title = (f"{Path(margs.model).name if margs.model else 'embedded Llama'} on {data}: S={staged}"
