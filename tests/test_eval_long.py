@@ -175,3 +175,44 @@ def test_eval_long_refuses_bad_input(tmp_path, capsys):
     _save_tiny_passkey_model(tmp_path / "model")
     assert main(["eval-long", "--model", str(tmp_path / "model"), "--lengths", "40"]) == 2
     assert "at least" in capsys.readouterr().err
+
+
+def test_train_passkey_task_with_passkey_eval(tmp_path):
+    """Bug caught: --task passkey not training on passkey rows, or --eval-passkey-lengths not reaching
+    metrics.jsonl / metrics.png: records before training (step 0), at each evaluation and at the end,
+    one accuracy per length and a cell per (length, depth); the heat-map panel in the figure; the saved
+    model carries the built-in tokenizer, so eval-long can read it back; the train eval equals
+    eval-long on the same saved model (same rows, same scorer)."""
+    from ulysses_sp.cli.main import main
+    from ulysses_sp.cli.train.plot import metrics_figure
+
+    out = tmp_path / "run"
+    argv = ["train", "--task", "passkey", "--seq-len", "128", "--passkey-digits", "2", "--hidden-size", "32",
+            "--max-steps", "6", "--logging-steps", "3", "--eval-strategy", "steps", "--eval-steps", "3",
+            "--eval-passkey-lengths", "128", "160", "--eval-passkey-depths", "0.25", "0.75",
+            "--eval-passkey-samples", "2", "--task-train-rows", "64", "--task-eval-rows", "4",
+            "--per-device-train-batch-size", "4", "--output-dir", str(out), "--disable-tqdm", "true"]
+    assert main(argv) == 0
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    passkey = [r for r in records if r["split"] == "passkey"]
+    assert [r["step"] for r in passkey] == [0, 3, 6]
+    for r in passkey:
+        assert {"passkey_exact_match_128", "passkey_exact_match_160"} <= set(r)
+        assert [(c["length"], c["depth"]) for c in r["passkey_cells"]] == [(128, 0.25), (128, 0.75), (160, 0.25),
+                                                                            (160, 0.75)]
+    assert passkey[0]["passkey_cells"] != passkey[-1]["passkey_cells"]  # the model changed between them
+    train = [r for r in records if r["split"] == "train"]
+    assert train and all("accuracy" in r for r in train)  # held-out passkey rows' answer-token accuracy
+    titles = {a.get_title() for a in metrics_figure(records, "t").axes}
+    assert "passkey exact match, length x depth (step 6)" in titles and "passkey exact match by length" in titles
+    assert (out / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    summary = json.loads((out / "run.json").read_text())
+    assert summary["task"] == "passkey" and summary["passkey"]["final"]["step"] == 6
+    assert json.loads((out / "config.json").read_text())["max_position_embeddings"] == 128  # the native length
+    cells = tmp_path / "cells.json"
+    assert main(["eval-long", "--model", str(out), "--lengths", "128", "160", "--depths", "0.25", "0.75",
+                 "--samples", "2", "--digits", "2", "--output", str(cells)]) == 0
+    for got, ref in zip(json.loads(cells.read_text())["cells"], passkey[-1]["passkey_cells"]):
+        assert got["exact_match"] == ref["exact_match"] and got["token_accuracy"] == ref["token_accuracy"]
+        # tolerance: the same fp32 forward of the same rows, in another process (identical up to ~1e-6)
+        assert abs(got["mean_log_likelihood"] - ref["mean_log_likelihood"]) < 1e-4, (got, ref)

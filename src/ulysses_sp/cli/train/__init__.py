@@ -110,4 +110,10 @@ def format_summary(summary: dict, output_dir) -> str:
         chance = summary.get("chance_accuracy")
         lines.append(f"  {summary.get('task') or 'copy'}-task accuracy {first['accuracy']:.3f} -> {final['accuracy']:.3f}"
                      + (f" (chance {chance:.3f})" if chance is not None else " (answer tokens of held-out rows)"))
+    if summary.get("passkey"):
+        first, final = summary["passkey"]["first"], summary["passkey"]["final"]
+        keys = [k for k in final if k.startswith("passkey_exact_match_")]
+        lines.append("  passkey exact match " + ", ".join(
+            f"S={k.rsplit('_', 1)[1]}: {first.get(k, float('nan')):.2f} -> {final[k]:.2f}" for k in keys)
+            + f" (steps {first['step']} -> {final['step']})")
     return "\n".join(lines)

@@ -7,6 +7,9 @@
     | tokens / s           | peak memory (GiB,    | copy-task accuracy   |
     |                      |   max over ranks)    |   -- chance          |
     +----------------------+----------------------+----------------------+
+    | passkey exact match  | passkey exact match  |   (--eval-passkey-lengths: the per-length accuracy
+    |   by length (step)   |  length x depth map  |    against the step, the last record's heat map)
+    +----------------------+----------------------+
                       title (model, data, S, P) above all panels
 
 A record's ``split`` (``record_split``) says what it is: ``"train"`` (a Trainer step log) or an
@@ -27,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 GIB = 2**30
+HEATMAP = "passkey exact match, length x depth"  # the title of the length x depth panel (then the step)
 
 
 def read_metrics(path: Path) -> list[dict]:
@@ -93,7 +97,7 @@ def _panels(records: list[dict], with_accuracy: bool) -> list[tuple[str, list[tu
     train = [r for r in records if record_split(r) == "train"]
     evals: dict[str, list[dict]] = {}
     for r in records:
-        if record_split(r) != "train":
+        if record_split(r) not in ("train", "passkey"):
             evals.setdefault(record_split(r), []).append(r)
     loss = [("train", *_series(train, "loss"))] + [(s, *_series(rs, f"{s}_loss")) for s, rs in evals.items()]
     panels = [
@@ -104,7 +108,16 @@ def _panels(records: list[dict], with_accuracy: bool) -> list[tuple[str, list[tu
         ("peak memory (GiB, max over ranks)", [("", *_series(train, "peak_memory_bytes", 1 / GIB))]),
     ]
     if with_accuracy or any("accuracy" in r for r in train):
-        panels.append(("copy-task accuracy", [("", *_series(train, "accuracy"))]))
+        name = "copy-task accuracy" if with_accuracy else "task accuracy (answer tokens, held-out rows)"
+        panels.append((name, [("", *_series(train, "accuracy"))]))
+    passkey = [r for r in records if record_split(r) == "passkey" and r.get("passkey_cells")]
+    if len(passkey) > 1:
+        keys = sorted({k for r in passkey for k in r if k.startswith("passkey_exact_match_")},
+                      key=lambda k: int(k.rsplit("_", 1)[1]))
+        panels.append(("passkey exact match by length",
+                       [(f"S={k.rsplit('_', 1)[1]}", *_series(passkey, k)) for k in keys]))
+    if passkey:
+        panels.append((f"{HEATMAP} (step {passkey[-1]['step']})", [("", [], passkey[-1]["passkey_cells"])]))
     return panels
 
 
@@ -119,9 +132,31 @@ def _finite(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def _draw_heatmap(ax, name: str, cells: list[dict]) -> None:
+    """Exact-match accuracy of the passkey cells: rows = lengths, columns = depths, values written in."""
+    lengths = sorted({c["length"] for c in cells})
+    depths = sorted({c["depth"] for c in cells})
+    grid = [[float("nan")] * len(depths) for _ in lengths]
+    for c in cells:
+        grid[lengths.index(c["length"])][depths.index(c["depth"])] = c["exact_match"]
+    image = ax.imshow(grid, vmin=0.0, vmax=1.0, cmap="viridis", aspect="auto", origin="lower")
+    for i, row in enumerate(grid):
+        for j, value in enumerate(row):
+            ax.text(j, i, f"{value:.2f}", ha="center", va="center", color="white" if value < 0.6 else "black")
+    ax.set_xticks(range(len(depths)), [f"{d:g}" for d in depths])
+    ax.set_yticks(range(len(lengths)), [str(n) for n in lengths])
+    ax.set_xlabel("depth of the key")
+    ax.set_ylabel("length (tokens)")
+    ax.set_title(name)
+    ax.figure.colorbar(image, ax=ax, fraction=0.05)
+
+
 def _draw(ax, name: str, lines: list[tuple[str, list, list]], chance: float | None) -> None:
     from matplotlib.ticker import MaxNLocator
 
+    if name.startswith(HEATMAP):
+        _draw_heatmap(ax, name, lines[0][2])
+        return
     ax.set_title(name)
     ax.set_xlabel("step")
     ax.grid(alpha=0.3)
@@ -136,7 +171,7 @@ def _draw(ax, name: str, lines: list[tuple[str, list, list]], chance: float | No
         if ys:
             ax.plot(steps, ys, marker="o" if i == 0 else "s", markersize=3 if i == 0 else 5,
                     linestyle="-" if i == 0 else "--", label=label or None)
-    if name == "copy-task accuracy":
+    if name in ("copy-task accuracy", "task accuracy (answer tokens, held-out rows)", "passkey exact match by length"):
         ax.set_ylim(-0.02, 1.02)
         if chance is not None:
             ax.axhline(chance, color="grey", linestyle="--", label=f"chance {chance:.3f}")

@@ -174,10 +174,14 @@ def _train(margs, spargs, targs, output_dir: str) -> dict[str, Any] | None:
     resume = targs.resume_from_checkpoint
     stages = StageCallback(stage_record(margs, spargs, dist.get_world_size(), model.config),
                            checkpoint_stages(Path(resume)) if resume else [])  # run.json + checkpoints: the stages
+    passkey_eval = _passkey_eval(margs, staging, targs.seed)
     trainer = UlyssesTrainer(model=model, args=targs, train_dataset=train_dataset, eval_dataset=eval_dataset,
-                             data_collator=collator, processing_class=tokenizer, callbacks=[callback, stages],
+                             data_collator=collator, processing_class=tokenizer,
+                             callbacks=[callback, stages] + ([passkey_eval] if passkey_eval is not None else []),
                              sp_config=spargs.to_config())
     callback.ulysses = trainer.ulysses
+    if passkey_eval is not None:
+        passkey_eval.ulysses = trainer.ulysses
     trainer.remove_callback(PrinterCallback)  # our progress bar shows the logs
     started = time.perf_counter()
     trainer.train(resume_from_checkpoint=targs.resume_from_checkpoint)
@@ -191,6 +195,18 @@ def _train(margs, spargs, targs, output_dir: str) -> dict[str, Any] | None:
         summary = _finish(margs, spargs, seconds, staging, final, data_summary, callback.summary, stages.stages)
     close_world()  # barrier + destroy_process_group, without gloo's exit deadlock (see its docstring)
     return summary
+
+
+def _passkey_eval(margs, staging: Path, seed: int):
+    """The ``--eval-passkey-*`` callback (None without ``--eval-passkey-lengths``): the model's tokenizer."""
+    if not margs.eval_passkey_lengths:
+        return None
+    from ulysses_sp.cli.train.passkey import passkey_task
+    from ulysses_sp.cli.train.passkey_eval import PasskeyEvalCallback
+
+    task, _ = passkey_task(margs, margs.eval_passkey_filler or margs.passkey_filler)
+    return PasskeyEvalCallback(staging / "metrics.jsonl", task, margs.eval_passkey_lengths, margs.eval_passkey_depths,
+                               margs.eval_passkey_samples, seed)
 
 
 def _write_workers(staging: Path) -> None:
@@ -241,7 +257,8 @@ def _finish(margs, spargs, seconds: float, staging: Path, final: Path, data_summ
     path = staging / "metrics.jsonl"
     records = read_metrics(path) if path.exists() else []  # the whole run, also when resumed
     train = [r for r in records if record_split(r) == "train"]
-    evals = [r for r in records if record_split(r) != "train"]
+    evals = [r for r in records if record_split(r) not in ("train", "passkey")]
+    passkey = [r for r in records if record_split(r) == "passkey"]
 
     world = dist.get_world_size()
     copy = margs.uses_task and margs.task == "copy"
@@ -254,6 +271,7 @@ def _finish(margs, spargs, seconds: float, staging: Path, final: Path, data_summ
         "lora_r": margs.lora_r or None,
         "final": train[-1] if train else None, "first": train[0] if train else None,
         "final_eval": evals[-1] if evals else None, "trainer_summary": trainer_summary, "stages": stages,
+        "passkey": {"first": passkey[0], "final": passkey[-1]} if passkey else None,
     }
     if records:
         data = f"{margs.task} task" if margs.uses_task else ", ".join(Path(d).name for d in margs.dataset or [])
