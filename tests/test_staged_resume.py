@@ -92,18 +92,21 @@ def test_resume_at_a_longer_seq_len_continues_step_data_and_metrics(runs):
     assert [(s["seq_len"], s["end_step"]) for s in saved] == [(64, 2)]
 
 
-@pytest.mark.parametrize("shard, message", [
-    ("global_step3/zero_pp_rank_0_mp_rank_00_optim_states.pt", "DeepSpeed ZeRO optimizer partitions"),
-    ("optimizer_0/__0_0.distcp", "FSDP sharded state"),
+@pytest.mark.parametrize("shard, message, recorded", [
+    ("global_step3/zero_pp_rank_0_mp_rank_00_optim_states.pt", "DeepSpeed ZeRO optimizer partitions", True),
+    ("optimizer_0/__0_0.distcp", "FSDP sharded state", True),
+    ("optimizer_0/__0_0.distcp", "FSDP sharded state", False),  # no ulysses_stages.json: sizes from rng_state*
 ])
-def test_sharded_optimizer_state_at_another_world_size_is_refused(runs, shard, message, tmp_path, capsys):
+def test_sharded_optimizer_state_at_another_world_size_is_refused(runs, shard, message, recorded, tmp_path, capsys):
     """Bug caught: optimizer shards written by a world of 1 loaded into a world of 2 (wrong or missing
     partitions, a crash mid-start); refused before launch with the fix, while the same world size
-    still resumes."""
+    still resumes (also for a checkpoint without the stage record, e.g. an older one)."""
     from ulysses_sp.cli.train.launch import plan
 
     ckpt = tmp_path / "run" / "checkpoint-3"
     shutil.copytree(runs / "sp1" / "checkpoint-3", ckpt)
+    if not recorded:
+        (ckpt / "ulysses_stages.json").unlink()
     (ckpt / shard).parent.mkdir(parents=True, exist_ok=True)
     (ckpt / shard).write_bytes(b"")
     argv = [*BASE, *AT_64, "--max-steps", "6", "--resume-from-checkpoint", str(ckpt)]

@@ -46,7 +46,8 @@ def checkpoint_stages(checkpoint: Path) -> list[dict[str, Any]]:
     if path.is_file():
         return list(json.loads(path.read_text())["stages"])
     step = checkpoint_step(checkpoint)
-    ranks = len(list(Path(checkpoint).glob("rng_state_*.pth"))) or None  # the Trainer saves one per rank (world > 1)
+    ranks = len(list(Path(checkpoint).glob("rng_state_*.pth")))  # the Trainer saves one per rank (world > 1) ...
+    ranks = ranks or (1 if (Path(checkpoint) / "rng_state.pth").is_file() else None)  # ... or rng_state.pth
     return [{"seq_len": None, "sp_size": None, "dp_size": None, "world_size": ranks, "start_step": 0,
              "end_step": step}]
 
