@@ -115,9 +115,10 @@ def test_rope_parameters_follow_transformers_conventions():
     expected = {
         "linear": ({"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}, 64),
         "dynamic": ({"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0}, 16),
-        "yarn": ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "rope_theta": 10000.0}, 64),
-        "llama3": ({"rope_type": "llama3", "factor": 4.0, "original_max_position_embeddings": 16, "low_freq_factor": 1.0,
-                    "high_freq_factor": 4.0, "rope_theta": 10000.0}, 64),
+        "yarn": ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+                  "rope_theta": 10000.0}, 64),
+        "llama3": ({"rope_type": "llama3", "factor": 4.0, "original_max_position_embeddings": 16,
+                    "low_freq_factor": 1.0, "high_freq_factor": 4.0, "rope_theta": 10000.0}, 64),
     }
     for scaling, (params, limit) in expected.items():
         config = scaled_model(scaling).config
@@ -137,8 +138,10 @@ AT_32 = ["--rope-original-max-position-embeddings", "32"]
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--max-position-embeddings", "32"], "--rope-scaling yarn --rope-factor 2 --rope-original-max-position-embeddings 32"),
-    (["--rope-scaling", "yarn", "--rope-factor", "1.5", *AT_32], "--rope-factor 2 --rope-original-max-position-embeddings 32"),
+    (["--max-position-embeddings", "32"],
+     "--rope-scaling yarn --rope-factor 2 --rope-original-max-position-embeddings 32"),
+    (["--rope-scaling", "yarn", "--rope-factor", "1.5", *AT_32],
+     "--rope-factor 2 --rope-original-max-position-embeddings 32"),
     (["--rope-scaling", "linear", "--rope-factor", "4", *AT_32, "--max-position-embeddings", "256"],
      "raise --rope-factor to 8"),
     (["--rope-factor", "2"], "need a scaling type: add --rope-scaling"),
@@ -166,8 +169,9 @@ def test_command_trains_past_the_original_length_and_saves_the_scaling(tmp_path)
     assert main(["train", *SHORT, "--config", str(tmp_path / "rope.yaml"), "--max-steps", "2",
                  "--output-dir", str(out)]) == 0
     reloaded = tf.AutoModelForCausalLM.from_pretrained(out)
-    assert reloaded.config.rope_parameters == {"rope_type": "llama3", "factor": 2.0, "original_max_position_embeddings": 32,
-                                               "low_freq_factor": 1.0, "high_freq_factor": 4.0, "rope_theta": 20000.0}
+    assert reloaded.config.rope_parameters == {"rope_type": "llama3", "factor": 2.0,
+                                               "original_max_position_embeddings": 32, "low_freq_factor": 1.0,
+                                               "high_freq_factor": 4.0, "rope_theta": 20000.0}
     assert reloaded.config.max_position_embeddings == 64
     expected = tf.LlamaConfig(**{**reloaded.config.to_dict(), "max_position_embeddings": 32,
                                  "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}})

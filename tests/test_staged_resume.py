@@ -44,7 +44,8 @@ def runs(tmp_path_factory):
     _train(tmp / "long", *AT_256, *FROZEN, "--max-steps", "4", "--save-steps", "10")
     _train(tmp / "short", *AT_64, *FROZEN, "--sp-size", "1", "--max-steps", "2", "--save-steps", "2",
            "--max-position-embeddings", "64")
-    _train(tmp / "extended", *AT_256, *FROZEN, "--max-steps", "4", "--save-steps", "10",
+    # no --rope-original-max-position-embeddings: the resumed checkpoint's model's length (64) is the default
+    _train(tmp / "extended", *AT_256[:-2], *FROZEN, "--max-steps", "4", "--save-steps", "10",
            "--resume-from-checkpoint", str(tmp / "short" / "checkpoint-2"))
     return tmp
 
@@ -70,7 +71,8 @@ def test_resume_at_another_sp_size_continues_the_run_exactly(runs):
 
 def test_resume_at_a_longer_seq_len_continues_step_data_and_metrics(runs):
     """Bug caught: a longer stage that restarts its data order (replays the first batches), counts
-    steps from 0, drops the earlier stage's metrics, or does not record the stages. Learning rate 0:
+    steps from 0, drops the earlier stage's metrics, does not record the stages, or scales RoPE from
+    the wrong original length (the resumed model's 64, not the embedded default's 1024). Learning rate 0:
     the weights stay at the (seeded) init, so both runs compute the same thing on the same batch
     bit for bit (1e-6 relative allows for nothing else); the four batches' losses differ by > 1e-5
     relative (observed >= 1e-4), so a wrong batch fails."""

@@ -1,7 +1,8 @@
 """Validate a ``ulysses-sp train`` run before any worker starts, then launch the workers.
 
     1. validate   options, output directory, model (config only, on the meta device: head split,
-                  --seq-len covered by its positions, RoPE scaling applied: rope_scaling.py), data (files exist, rows have a known format)
+                  --seq-len covered by its positions, RoPE scaling applied: rope_scaling.py), data
+                  (files exist, rows have a known format); a later stage's resume (stages.py)
     2. launch     ``torch.distributed.launcher.elastic_launch`` (what ``torchrun`` runs) with the
                   torchrun options of ``LaunchArguments``; workers are forked from a fork server
                   that imported torch and transformers once. Under ``torchrun`` (RANK set) the
@@ -19,7 +20,7 @@ from typing import Any
 
 from ulysses_sp.cli.train import lock, options
 from ulysses_sp.cli.train.rope_scaling import apply_rope_scaling, length_error
-from ulysses_sp.cli.train.stages import check_resume
+from ulysses_sp.cli.train.stages import check_resume, checkpoint_config
 from ulysses_sp.cli.train.tasks import CopyTask, embedded_model_config
 from ulysses_sp.cli.train.worker import staging_dir
 
@@ -88,14 +89,14 @@ def _model_config(margs: options.ModelDataArguments):
         raise TrainInputError(f"could not load a model config from --model {margs.model!r}: {first}") from err
 
 
-def _check_model(margs: options.ModelDataArguments, spargs: options.SPArguments) -> None:
+def _check_model(margs: options.ModelDataArguments, spargs: options.SPArguments, resume: str | None = None) -> None:
     """Head split and sequence length, on a meta-device instance of the model."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from ulysses_sp import check_model_support
 
-    config = apply_rope_scaling(_model_config(margs), margs)
+    config = apply_rope_scaling(_model_config(margs), margs, checkpoint_config(resume))
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, attn_implementation=margs.attn_implementation)
     try:
@@ -179,7 +180,7 @@ def plan(argv: list[str]) -> Plan:
             raise TrainInputError(str(err)) from err
     try:
         _check_reporting(targs)
-        _check_model(margs, spargs)
+        _check_model(margs, spargs, targs.resume_from_checkpoint)
         _check_data(margs)
     except TrainInputError:
         raise

@@ -2,7 +2,8 @@
 
     --rope-scaling linear|dynamic|yarn|llama3     transformers' ``rope_type``
     --rope-factor F                                new length / original length
-    --rope-original-max-position-embeddings L      the pretrained length (default: the model's)
+    --rope-original-max-position-embeddings L      the pretrained length (default: the model's, on
+                                                   resume the checkpoint's model's: pretrained_length)
     --rope-theta T                                 the RoPE base (alone: "ABF", a larger base)
     --rope-low-freq-factor, --rope-high-freq-factor  llama3 only (Llama 3.1's 1 and 4 by default)
     --max-position-embeddings N                    the length the model declares (default F x L)
@@ -69,12 +70,28 @@ def _check_values(margs: Any) -> None:
         raise ValueError("--rope-low-freq-factor / --rope-high-freq-factor belong to --rope-scaling llama3.")
 
 
-def apply_rope_scaling(config: Any, margs: Any) -> Any:
+def pretrained_length(config: Any) -> int:
+    """The length ``config``'s model was pretrained at: ``original_max_position_embeddings`` of a YaRN /
+    Llama 3 / LongRoPE scaling, ``max_position_embeddings / factor`` for linear, else ``max_position_embeddings``."""
+    text = config.get_text_config()
+    params = getattr(text, "rope_parameters", None)
+    params = params if isinstance(params, dict) and not text.nested_rope_parameter_keys(params) else {}
+    rope_type = params.get("rope_type", "default")
+    if rope_type in _WITH_ORIGINAL and params.get("original_max_position_embeddings"):
+        return int(params["original_max_position_embeddings"])
+    if rope_type == "linear" and params.get("factor"):
+        return int(text.max_position_embeddings / params["factor"])  # linear stores no original length
+    return int(text.max_position_embeddings)
+
+
+def apply_rope_scaling(config: Any, margs: Any, resumed: Any | None = None) -> Any:
     """Set the ``--rope-*`` / ``--max-position-embeddings`` options of ``margs`` on ``config`` (in place).
 
     ``config``: a transformers config (its text config is changed, for multimodal models); returned.
-    No option given: ``config`` is left exactly as it is. ValueError (saying the fix) for a model
-    without RoPE, per-layer-type rope parameters, or inconsistent values.
+    ``resumed``: the config of the checkpoint a later stage resumes; the default original length is
+    its :func:`pretrained_length` (else ``config``'s). No option given: ``config`` is left exactly
+    as it is. ValueError (saying the fix) for a model without RoPE, per-layer-type rope
+    parameters, or inconsistent values.
     """
     _check_values(margs)
     text = config.get_text_config()
@@ -89,8 +106,7 @@ def apply_rope_scaling(config: Any, margs: Any) -> Any:
         new["rope_theta"] = float(margs.rope_theta)
     limit = margs.max_position_embeddings or text.max_position_embeddings
     if margs.rope_scaling is not None:
-        original = (margs.rope_original_max_position_embeddings or params.get("original_max_position_embeddings")
-                    or text.max_position_embeddings)
+        original = margs.rope_original_max_position_embeddings or pretrained_length(resumed or config)
         factor = float(margs.rope_factor)
         new.update(rope_type=margs.rope_scaling, factor=factor)
         if margs.rope_scaling in _WITH_ORIGINAL:
@@ -146,12 +162,7 @@ def length_error(config: Any, seq_len: int) -> str | None:
         return (f"--seq-len {seq_len} is longer than the model allows (max_position_embeddings={covered}; it has no "
                 f"rotary embeddings to scale); use --seq-len <= {covered}.")
     rope_type = params.get("rope_type", "default")
-    if rope_type in _WITH_ORIGINAL and params.get("original_max_position_embeddings"):
-        original = int(params["original_max_position_embeddings"])
-    elif rope_type == "linear" and params.get("factor"):
-        original = int(covered / params["factor"])  # linear stores no original length: max_position_embeddings / F
-    else:
-        original = covered
+    original = pretrained_length(config)
     suggested = rope_type if rope_type in SCALING_TYPES else "yarn"
     limit = config.get_text_config().max_position_embeddings
     now = "" if rope_type == "default" else f", rope_type {rope_type!r} with factor {params.get('factor')}"

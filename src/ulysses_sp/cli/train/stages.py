@@ -52,6 +52,15 @@ def checkpoint_stages(checkpoint: Path) -> list[dict[str, Any]]:
              "end_step": step}]
 
 
+def checkpoint_config(checkpoint: str | Path | None) -> Any | None:
+    """The model config saved in a checkpoint (None: no checkpoint, or one without config.json, e.g. LoRA)."""
+    if checkpoint is None or not (Path(checkpoint) / "config.json").is_file():
+        return None
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(checkpoint)
+
+
 def sharded_state(checkpoint: Path) -> str | None:
     """What in the checkpoint is sharded over the ranks that wrote it (None: nothing)."""
     checkpoint = Path(checkpoint)

@@ -26,6 +26,8 @@ import torch.distributed as dist
 from ulysses_sp import close_world
 from ulysses_sp.cli.train import options
 from ulysses_sp.cli.train.rope_scaling import apply_rope_scaling
+from ulysses_sp.cli.train.stages import (StageCallback, checkpoint_config, checkpoint_stages, checkpoint_step,
+                                         stage_record)
 from ulysses_sp.cli.train.tasks import CopyTask, embedded_model_config
 from ulysses_sp.cli.train.watchdog import Heartbeat, is_timeout, timeout_message
 
@@ -52,8 +54,11 @@ def _init_distributed(use_cuda: bool, timeout_s: float) -> None:
         dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s))
 
 
-def build_model(margs: options.ModelDataArguments, seed: int):
-    """The model every rank starts from (identical: seeded init or the same checkpoint)."""
+def build_model(margs: options.ModelDataArguments, seed: int, resume: str | None = None):
+    """The model every rank starts from (identical: seeded init or the same checkpoint).
+
+    ``resume``: the checkpoint a later stage resumes (its model's length is the default original
+    length of a --rope-scaling; the Trainer loads its weights afterwards)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     dtype = margs.dtype if margs.dtype == "auto" else getattr(torch, margs.dtype)
@@ -65,7 +70,7 @@ def build_model(margs: options.ModelDataArguments, seed: int):
         config = embedded_model_config(margs)
     else:
         config = AutoConfig.from_pretrained(margs.model)
-    config = apply_rope_scaling(config, margs)  # before the model exists: its rotary embedding is the scaled one
+    config = apply_rope_scaling(config, margs, checkpoint_config(resume))  # before the model: scaled rotaries
     if margs.model is None or margs.random_init:
         return AutoModelForCausalLM.from_config(config, **kwargs)
     return AutoModelForCausalLM.from_pretrained(margs.model, config=config, **kwargs)
@@ -144,7 +149,6 @@ def _train(margs, spargs, targs, output_dir: str) -> dict[str, Any] | None:
 
     from ulysses_sp import UlyssesTrainer
     from ulysses_sp.cli.train.metrics import MetricsCallback
-    from ulysses_sp.cli.train.stages import StageCallback, checkpoint_stages, stage_record
 
     final, staging = Path(output_dir), staging_dir(output_dir)
     rank0 = dist.get_rank() == 0
@@ -161,7 +165,7 @@ def _train(margs, spargs, targs, output_dir: str) -> dict[str, Any] | None:
     targs.output_dir = str(staging)
     if targs.include_num_input_tokens_seen == "all":  # the parser only takes booleans: count real tokens
         targs.include_num_input_tokens_seen = "non_padding"
-    model = apply_lora(build_model(margs, targs.seed), margs)
+    model = apply_lora(build_model(margs, targs.seed, targs.resume_from_checkpoint), margs)
     want_eval = targs.eval_strategy != "no" or bool(margs.eval_dataset or margs.eval_split)
     train_dataset, eval_dataset, collator, eval_rows, tokenizer, data_summary = build_data(margs, targs.seed,
                                                                                             want_eval)
@@ -239,7 +243,6 @@ def _prepare_staging(staging: Path, resume_from: str | None) -> float:
     if not source.exists():
         return 0.0
     from ulysses_sp.cli.train.plot import read_metrics
-    from ulysses_sp.cli.train.stages import checkpoint_step
 
     records = read_metrics(source)
     step = checkpoint_step(Path(resume_from))
