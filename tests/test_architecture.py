@@ -1,10 +1,14 @@
-"""The layering of docs/architecture.md, checked on the source (AST of every import statement).
+"""The rules of docs/architecture.md, checked on the source (the AST of every module).
 
     cli/            applications: import only ``from ulysses_sp import <exported name>`` and cli/ itself
     integrations/   framework adapters (the only library layer importing transformers / accelerate / trl)
-    attention/ data/ loss/ memory/
+    attention/ data/ loss/ memory/ mixers/
     config.py
-    comm/
+    comm/ swaps.py torch_internals.py
+
+Private names of other objects (``x._name`` with ``x`` not ``self`` / ``cls``) only in the one
+module per framework that documents each: integrations/hf_internals.py (transformers),
+integrations/trainer_internals.py (Trainer / TRL), torch_internals.py (torch).
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ import ulysses_sp
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "src" / "ulysses_sp"
-LAYERS = {"comm": 0, "config": 1, "attention": 2, "data": 2, "loss": 2, "memory": 2, "mixers": 2, "integrations": 3, "cli": 4}
+LAYERS = {"comm": 0, "swaps": 0, "torch_internals": 0, "config": 1, "attention": 2, "data": 2, "loss": 2, "memory": 2,
+          "mixers": 2, "integrations": 3, "cli": 4}
 FRAMEWORKS = ("transformers", "accelerate", "trl", "peft", "datasets")
 
 
@@ -157,3 +162,50 @@ def test_frameworks_are_imported_only_by_integrations_and_cli():
 def test_every_exported_name_resolves(name):
     """Catches ``__all__`` naming something the package cannot give (a typo, a moved function)."""
     assert getattr(ulysses_sp, name) is not None
+
+
+INTERNALS = {"ulysses_sp.integrations.hf_internals", "ulysses_sp.integrations.trainer_internals",
+             "ulysses_sp.torch_internals"}
+PUBLIC_UNDERSCORE = {"os._exit"}  # documented public API despite the underscore
+# owned by helpers working in parallel (issue 26 fixes them after merging): file -> the accesses still there
+PENDING = {"src/ulysses_sp/cli/bench/systems.py": "model.config._attn_implementation",
+           "src/ulysses_sp/cli/train/watchdog.py": "beat._thread"}
+
+
+def _private_accesses(path: Path) -> list[str]:
+    """``file:line x._name`` for every private attribute read / write / getattr of an object not ``self`` / ``cls``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute):
+            name, owner = node.attr, node.value
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+              and node.func.id in ("getattr", "setattr", "hasattr", "delattr") and len(node.args) >= 2
+              and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)):
+            name, owner = node.args[1].value, node.args[0]
+        else:
+            continue
+        if not name.startswith("_") or name.startswith("__"):
+            continue
+        if isinstance(owner, ast.Name) and owner.id in ("self", "cls"):
+            continue
+        text = f"{ast.unparse(owner)}.{name}"
+        where = path.relative_to(ROOT) if ROOT in path.parents else path
+        if text not in PUBLIC_UNDERSCORE and PENDING.get(str(where)) != text:
+            found.append(f"{where}:{node.lineno} {text}")
+    return found
+
+
+def test_private_names_only_in_the_internals_modules():
+    """Bug caught: a private name of transformers, the Trainer / TRL or torch used outside the one
+    module per framework that says why no public route exists and on which versions it was checked
+    (``memory/offload.py`` replacing ``_gradient_checkpointing_func``, ring.py calling a private aten op)."""
+    wrong = [w for module, path in MODULES.items() if module not in INTERNALS for w in _private_accesses(path)]
+    assert not wrong, "move these into an internals module (docs/architecture.md):\n" + "\n".join(wrong)
+
+
+def test_the_private_name_check_can_fail(tmp_path):
+    """Bug caught: a private-name check that never fires (what it must flag, and what it must not)."""
+    sample = tmp_path / "sample.py"
+    sample.write_text("def f(self, model, os):\n    model._x = self._y\n    getattr(model, '_z')\n    os._exit(0)\n"
+                      "    return model.__class__, cls._w\n")
+    assert sorted(w.split(" ", 1)[1] for w in _private_accesses(sample)) == ["model._x", "model._z"]

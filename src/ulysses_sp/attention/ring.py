@@ -48,6 +48,7 @@ from torch.distributed import ProcessGroup
 from ulysses_sp.attention.contract import check_inputs_across_ranks
 from ulysses_sp.attention.masks import GlobalMask
 from ulysses_sp.comm.layout import zigzag_moves
+from ulysses_sp.torch_internals import flash_attention_cpu, flash_attention_cpu_backward
 
 _NEG_INF = float("-inf")
 
@@ -109,7 +110,7 @@ def _block_forward(q, k, v, allowed, causal_diag: bool, scale: float) -> tuple[t
     """One block: ``o (B,N,s,Hv)`` fp32 and ``lse (B,N,s)`` fp32 (``-inf`` for rows with no key)."""
     k, v = _expand(k, q.shape[1]), _expand(v, q.shape[1])
     if allowed is None and q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16):
-        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal_diag, scale=scale)
+        o, lse = flash_attention_cpu(q, k, v, causal_diag, scale)
         return o.float(), lse
     kf, vf = k.float(), v.float()
     outs, lses = [], []
@@ -132,9 +133,7 @@ def _block_backward(do, q, k, v, o, lse, allowed, causal_diag: bool, scale: floa
     K, N = k.shape[1], q.shape[1]
     ke, ve = _expand(k, N), _expand(v, N)
     if allowed is None and q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16):
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            do, q, ke, ve, o, lse, 0.0, causal_diag, scale=scale
-        )
+        dq, dk, dv = flash_attention_cpu_backward(do, q, ke, ve, o, lse, causal_diag, scale)
         return dq.float(), _reduce_heads(dk.float(), K), _reduce_heads(dv.float(), K)
     kf, vf = ke.float(), ve.float()
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)

@@ -47,6 +47,15 @@ def current_attn_implementation(model: PreTrainedModel) -> str | None:
     return model.config._attn_implementation
 
 
+def config_attn_implementation(config: Any) -> str | None:
+    """The attention implementation a (sub-)config holds (None: none set, or not a ``PretrainedConfig``).
+
+    A multimodal model's vision / audio tower configs keep their own kernel there; the same private
+    ``_attn_implementation`` as :func:`current_attn_implementation`, read with a default.
+    """
+    return getattr(config, "_attn_implementation", None)
+
+
 @functools.lru_cache(maxsize=None)
 def _module_mentions(module_name: str, word: str) -> bool:
     module = sys.modules.get(module_name)

@@ -35,6 +35,7 @@ from transformers import Trainer
 from ulysses_sp.comm.mesh import SPMesh
 from ulysses_sp.config import UlyssesSPConfig
 from ulysses_sp.data import ShardedBatch
+from ulysses_sp.integrations.trainer_internals import count_input_tokens, prepare_inputs, train_batch_size
 from ulysses_sp.integrations.transformers import UlyssesSP
 from ulysses_sp.loss import global_num_items, reported_loss
 from ulysses_sp.memory import ActivationOffload
@@ -176,7 +177,7 @@ class UlyssesTrainerMixin:
                 batches.append(next(epoch_iterator))
             except StopIteration:
                 break
-        shards = [self._shard(self._prepare_inputs(batch)) for batch in batches]
+        shards = [self._shard(prepare_inputs(self, batch)) for batch in batches]
         if not shards:
             return [], None
         # every SP rank counts only its shard, so the sum over the world counts each token once
@@ -185,12 +186,12 @@ class UlyssesTrainerMixin:
     def _track_num_input_tokens(self, inputs: Mapping[str, Any]) -> None:
         """Count the GLOBAL batch once per SP group (the Trainer gathers over all ranks)."""
         before = self.state.num_input_tokens_seen
-        super()._track_num_input_tokens(self.global_batch(inputs))  # type: ignore[misc]
+        count_input_tokens(super(), self.global_batch(inputs))
         self.state.num_input_tokens_seen = before + (self.state.num_input_tokens_seen - before) // self.sp_mesh.sp_size
 
     def get_total_train_batch_size(self, args: Any) -> int:
         """Sequences per optimizer step: per-replica batch x grad accumulation x DP replicas."""
-        return self._train_batch_size * args.gradient_accumulation_steps * self.sp_mesh.dp_size
+        return train_batch_size(self) * args.gradient_accumulation_steps * self.sp_mesh.dp_size
 
     # loss -------------------------------------------------------------------------------
     def compute_loss(
@@ -224,7 +225,7 @@ class UlyssesTrainerMixin:
         ignore_keys: list[str] | None = None,
     ) -> tuple[torch.Tensor | None, None, None]:
         """The batch's token-mean loss (same on all SP ranks); logits stay sharded and are not returned."""
-        shard = self._shard(self._prepare_inputs(inputs))
+        shard = self._shard(prepare_inputs(self, inputs))
         group = self.sp_mesh.sp_group
         with torch.no_grad(), self.compute_loss_context_manager():
             num_items = global_num_items(shard["shift_labels"], group=group)

@@ -37,6 +37,7 @@ from trl import SFTTrainer
 from ulysses_sp.comm.collectives import all_reduce_sum
 from ulysses_sp.integrations.hf_internals import recording_outputs
 from ulysses_sp.integrations.trainer import UlyssesTrainerMixin
+from ulysses_sp.integrations.trainer_internals import add_sft_train_tokens, count_input_tokens, sft_metrics
 from ulysses_sp.integrations.transformers import UlyssesSP
 
 
@@ -64,8 +65,8 @@ class UlyssesSFTTrainer(UlyssesTrainerMixin, SFTTrainer):
             loss = loss + self._sp_aux_loss(SimpleNamespace(router_logits=tuple(router), aux_loss=out.aux_loss), shard, mode)
         sums = torch.stack([out.label_mask.sum(), out.entropy.detach().sum(), out.is_top1.sum()]).float()
         num_valid, entropy, correct = all_reduce_sum(sums).tolist()
-        self._metrics[mode]["entropy"].append(entropy / num_valid if num_valid > 0 else 0.0)
-        self._metrics[mode]["mean_token_accuracy"].append(correct / num_valid if num_valid > 0 else 0.0)
+        sft_metrics(self)[mode]["entropy"].append(entropy / num_valid if num_valid > 0 else 0.0)
+        sft_metrics(self)[mode]["mean_token_accuracy"].append(correct / num_valid if num_valid > 0 else 0.0)
         return loss
 
     def _sp_aux_loss(self, out: Any, shard: Mapping[str, Any], mode: str) -> torch.Tensor | float:
@@ -82,18 +83,17 @@ class UlyssesSFTTrainer(UlyssesTrainerMixin, SFTTrainer):
             return 0.0
         coef = float(self.router_aux_loss_coef)
         total = all_reduce_sum(weighted.detach().float().reshape(1)).item()  # sum over dp * sp ranks
-        self._metrics[mode]["aux_loss"].append(total / coef / self.sp_mesh.dp_size)
+        sft_metrics(self)[mode]["aux_loss"].append(total / coef / self.sp_mesh.dp_size)
         if mode == "eval":
             return weighted
         return weighted * self.sp_mesh.sp_size / self.current_gradient_accumulation_steps
 
     def _track_num_input_tokens(self, inputs: Mapping[str, Any]) -> None:
         """Also TRL's ``num_tokens``: non-padding tokens of the GLOBAL batch (padding-free: its length)."""
-        super()._track_num_input_tokens(inputs)
+        count_input_tokens(super(), inputs)
         batch = self.global_batch(inputs)
         mask = batch.get("attention_mask")
         ids = batch["input_ids"]
         local = mask.sum() if mask is not None else torch.tensor(ids.numel(), device=ids.device)
         total = self.accelerator.gather(local.reshape(1).to(self.args.device)).sum().item()
-        self._total_train_tokens += int(total) // self.sp_mesh.sp_size
-        self._metrics["train"]["num_tokens"] = [self._total_train_tokens]
+        add_sft_train_tokens(self, int(total) // self.sp_mesh.sp_size)

@@ -29,6 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ulysses_sp.torch_internals import checkpoint_function, set_checkpoint_function
+
 
 @dataclasses.dataclass
 class OffloadStats:
@@ -50,7 +52,7 @@ def _checkpointed_layers(model: nn.Module) -> list[nn.Module]:
     the ``LlamaModel`` that also carries the flag but never calls its checkpoint function)."""
 
     def on(m: nn.Module) -> bool:
-        return getattr(m, "gradient_checkpointing", False) is True and hasattr(m, "_gradient_checkpointing_func")
+        return getattr(m, "gradient_checkpointing", False) is True and checkpoint_function(m) is not None
 
     return [m for m in model.modules() if on(m) and not any(on(c) for c in m.modules() if c is not m)]
 
@@ -105,17 +107,17 @@ class ActivationOffload:
                 "model.activation_checkpointing_enable() (or gradient_checkpointing_enable()) before registering."
             )
         for layer in layers:
-            current = layer._gradient_checkpointing_func
-            if getattr(current, "_ulysses_offload", None) is self:
+            current = checkpoint_function(layer)
+            if getattr(current, "ulysses_offload", None) is self:
                 continue
             self._originals[layer] = current
-            layer._gradient_checkpointing_func = self._wrap(current)
+            set_checkpoint_function(layer, self._wrap(current))
         return self
 
     def unregister(self) -> None:
         """Put the original checkpoint functions back."""
         for layer, original in self._originals.items():
-            layer._gradient_checkpointing_func = original
+            set_checkpoint_function(layer, original)
         self._originals = {}
 
     def __enter__(self) -> ActivationOffload:
@@ -137,7 +139,7 @@ class ActivationOffload:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 return checkpoint_fn(function, *args, **kwargs)
 
-        offloading_checkpoint._ulysses_offload = self  # type: ignore[attr-defined]
+        offloading_checkpoint.ulysses_offload = self  # type: ignore[attr-defined]
         return offloading_checkpoint
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor | _Offloaded:

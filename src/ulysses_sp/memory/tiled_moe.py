@@ -12,8 +12,9 @@ Two things differ from :class:`~ulysses_sp.memory.TiledMLP`:
    load-balancing aux loss from them, so they need their gradient. The tiled function therefore
    returns ``(y_TD, router_logits_TE)`` and its backward takes both incoming gradients.
 2. The router's own forward hooks must see ONE ``(T, E)`` tensor with a grad path, not one
-   gradient-less tensor per tile. While tiles run, the router's forward hooks are replaced by a
-   capture hook; afterwards the original hooks are called once with the concatenated logits::
+   gradient-less tensor per tile. While tiles run, the router's forward hooks are held back and a
+   capture hook is the only one; afterwards the original hooks are called once with the
+   concatenated logits::
 
     x_BsD -> x_TD --tiles of t rows--> block(x_1tD) (no grad)  -> y_tD, r_tE (captured at gate)
           cat: y_TD, r_TE = TiledTokensFunction(...)   save x_TD only
@@ -28,7 +29,7 @@ collectives. Router jitter noise (random) cannot be recomputed and is refused.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from typing import Any
 
@@ -36,6 +37,7 @@ import torch
 from torch import nn
 
 from ulysses_sp.memory.tiled_mlp import TiledMLP, TiledTokensFunction, grad_params
+from ulysses_sp.torch_internals import call_forward_hooks, forward_hooks_held_back
 
 
 def _per_token(extra: Any, t: int, block: str) -> tuple[torch.Tensor, bool]:
@@ -53,14 +55,16 @@ def _per_token(extra: Any, t: int, block: str) -> tuple[torch.Tensor, bool]:
 
 
 @contextmanager
-def _forward_hooks_replaced(module: nn.Module, hook: Callable) -> Any:
-    """Run ``module`` with ``hook`` as its only forward hook (the original hooks are kept aside)."""
-    saved = module._forward_hooks
-    module._forward_hooks = {-1: hook}
-    try:
-        yield saved
-    finally:
-        module._forward_hooks = saved
+def _only_hook(module: nn.Module, hook: Callable) -> Iterator[None]:
+    """Run ``module`` with ``hook`` as its only forward hook: its own hooks are held back (they run
+    once, on all tokens, in :meth:`TiledMoE._emit_router_hooks`); ``hook`` is registered and removed
+    through the public hook API."""
+    with forward_hooks_held_back(module):
+        handle = module.register_forward_hook(hook)
+        try:
+            yield
+        finally:
+            handle.remove()
 
 
 def router_of(block: nn.Module) -> nn.Module | None:
@@ -124,7 +128,7 @@ class TiledMoE(TiledMLP):
         def capture(module: nn.Module, args: Any, output: Any) -> None:
             captured.append(output[0] if isinstance(output, tuple) else output)
 
-        with _forward_hooks_replaced(self.router, capture) if self.router is not None else nullcontext():
+        with _only_hook(self.router, capture) if self.router is not None else nullcontext():
             out = self.mlp(x_tD.unsqueeze(0))
         self._returns_tuple = isinstance(out, tuple)
         y, extras = (out[0], out[1:]) if self._returns_tuple else (out, ())
@@ -143,10 +147,5 @@ class TiledMoE(TiledMLP):
 
     def _emit_router_hooks(self, x_TD: torch.Tensor, logits_TE: torch.Tensor) -> None:
         """Call the router's forward hooks once, as the untiled block would (output index 0 = logits)."""
-        with_kwargs = self.router._forward_hooks_with_kwargs
-        for hook_id, hook in list(self.router._forward_hooks.items()):
-            if with_kwargs.get(hook_id, False):
-                hook(self.router, (x_TD,), {}, (logits_TE,))
-            else:
-                hook(self.router, (x_TD,), (logits_TE,))
+        call_forward_hooks(self.router, (x_TD,), (logits_TE,))
 

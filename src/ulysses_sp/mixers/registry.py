@@ -1,8 +1,9 @@
 """Which token-mixing layers outside attention run sequence-parallel, and switching them on and off.
 
 A supported mixer module gets our forward as an instance attribute while SP is registered (its
-class, parameters, hooks and ``state_dict`` stay as they are) and loses it again on unregister, the
-same way ``UlyssesSP.forward_loss`` swaps ``lm_head``'s forward. Any other module that mixes tokens
+class, parameters, hooks and ``state_dict`` stay as they are) and gets its previous forward back on
+unregister (:func:`ulysses_sp.swaps.instance_forward`, as ``UlyssesSP.forward_loss`` swaps
+``lm_head``'s forward): an instance forward set before, such as Accelerate's hook wrapper, survives. Any other module that mixes tokens
 outside attention (a depthwise causal ``conv1d``, an SSM ``A_log``, a linear-attention class) is
 refused at setup: under SP it would see only its shard.
 """
@@ -17,6 +18,7 @@ import torch
 from ulysses_sp.comm.mesh import SPMesh
 from ulysses_sp.mixers import gated_delta, mamba2
 from ulysses_sp.mixers.sequence import MixerContext
+from ulysses_sp.swaps import InstanceForward, instance_forward
 
 _FORWARDS: dict[str, tuple[Callable, Callable]] = {
     **{name: (gated_delta.gated_delta_forward, gated_delta.head_plan) for name in gated_delta.GATED_DELTA_CLASSES},
@@ -34,7 +36,7 @@ def supported_mixers() -> list[str]:
 
 def _mixes_tokens(module: torch.nn.Module) -> bool:
     """A module that mixes tokens outside attention: SSM parameters, a depthwise conv, or such a class name."""
-    if "A_log" in module._parameters:
+    if any(name == "A_log" for name, _ in module.named_parameters(recurse=False)):
         return True
     conv = getattr(module, "conv1d", None)
     if isinstance(conv, torch.nn.Conv1d) and conv.groups == conv.in_channels > 1:
@@ -96,23 +98,20 @@ class SPMixers:
         group = mesh.sp_group if mesh.sp_size > 1 else None
         self.context = MixerContext(group, mesh.sp_rank if mesh.sp_size > 1 else 0, mesh.sp_size)
         self.modules = [m for m in model.modules() if type(m).__name__ in _FORWARDS]
-        self._installed = False
+        self._swaps: list[InstanceForward] = []  # one per installed module, in install order
 
     def install(self) -> SPMixers:
         """Each supported mixer's ``forward`` becomes the SP one (instance attribute; idempotent)."""
-        if not self._installed:
+        if not self._swaps:
             for module in self.modules:
                 forward = _FORWARDS[type(module).__name__][0]
-                module.forward = functools.partial(forward, module, self.context)
-            self._installed = True
+                self._swaps.append(instance_forward(module, functools.partial(forward, module, self.context)))
         return self
 
     def remove(self) -> None:
-        """The mixers' own class forwards again."""
-        if self._installed:
-            for module in self.modules:
-                module.__dict__.pop("forward", None)
-            self._installed = False
+        """The mixers' forwards from before :meth:`install` again (reverse order; idempotent)."""
+        while self._swaps:
+            self._swaps.pop().remove()
 
 
 def install_sp_mixers(model: torch.nn.Module, mesh: SPMesh) -> SPMixers:
