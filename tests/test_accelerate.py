@@ -12,6 +12,7 @@ import pytest
 import torch
 from dist_helper import spawn
 
+from ulysses_sp import free_port
 from ulysses_sp.config import UlyssesSPConfig
 from ulysses_sp.integrations.accelerate import config_from_accelerate
 
@@ -125,6 +126,8 @@ def run_example(tmp: Path, name: str, nproc: int, *args: str) -> list[dict]:
     log = tmp / f"{name}.jsonl"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            str(ROOT / "examples" / "accelerate_config.yaml"), "--num_processes", str(nproc),
+           # a free port, not Accelerate's default 29500 that any other launch on the host may hold
+           "--main_process_port", str(free_port()),
            str(ROOT / "examples" / "accelerate_train.py"), "--log-file", str(log), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp)
