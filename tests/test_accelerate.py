@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_helper import spawn
 
+from dist_helper import spawn
 from ulysses_sp import free_port
 from ulysses_sp.config import UlyssesSPConfig
 from ulysses_sp.integrations.accelerate import config_from_accelerate
@@ -77,10 +77,10 @@ def test_config_from_accelerate_rejects_what_it_cannot_honour(values, match):
 def _errors_worker(rank, world_size):
     import torch
     from accelerate import Accelerator
-    from tiny_models import tiny_model
     from torch.utils.data import DataLoader, WeightedRandomSampler
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from tiny_models import tiny_model
     from ulysses_sp.integrations.accelerate import UlyssesAccelerate
 
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)

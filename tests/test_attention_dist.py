@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ulysses_sp import GlobalMask, SPMesh, UlyssesAttention
 from dist_helper import spawn
+from ulysses_sp import GlobalMask, SPMesh, UlyssesAttention
 
 B, S, D, H = 2, 12, 16, 8
 HEADS = {1: [(8, 8), (8, 2), (8, 1)], 2: [(8, 8), (8, 2), (8, 1)], 3: [(12, 4), (8, 2), (8, 1), (3, 1)],
@@ -214,7 +214,8 @@ def run_sp_forward_only(case, mask_name, mesh):
     q = (x @ case["wq"]).view(B, s, 8, H).transpose(1, 2)
     k = (x @ case["wk"]).view(B, s, 2, H).transpose(1, 2)
     v = (x @ case["wv"]).view(B, s, 2, H).transpose(1, 2)
-    return UlyssesAttention(mesh.sp_group, "flex_attention")(q, k, v, mask, sliding_window=window, softcap=softcap), None
+    attention = UlyssesAttention(mesh.sp_group, "flex_attention")
+    return attention(q, k, v, mask, sliding_window=window, softcap=softcap), None
 
 
 def test_flex_attention_forward_matches_on_cpu():

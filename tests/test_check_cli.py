@@ -5,9 +5,16 @@ import torch
 
 from tiny_models import tiny_model
 from ulysses_sp.cli.check import format_report
+from ulysses_sp.cli.check.engine import (
+    TOLERANCES,
+    CheckBatch,
+    CheckOptions,
+    CheckReport,
+    StepResult,
+    compare,
+    noise_floor,
+)
 from ulysses_sp.cli.main import main
-from ulysses_sp.cli.check.engine import (TOLERANCES, CheckBatch, CheckOptions, CheckReport, StepResult, compare,
-                                         noise_floor)
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,8 @@ while a chunk computes, and that the bytes equal the unchunked layer's and ``att
 import pytest
 import torch
 import torch.distributed as dist
-from dist_helper import spawn
 
+from dist_helper import spawn
 from ulysses_sp import GlobalMask, SPMesh, UlyssesAttention, UlyssesSPConfig, attention_comm, build_attention
 from ulysses_sp.comm.layout import HeadPlan
 
@@ -163,7 +163,6 @@ def _worker(rank, world, heads, models):
 def _model_loss_and_grads(family, kind, mesh, head_chunks, checkpointing):
     """A tiny HF model under UlyssesSP(sp_head_chunks=...): the global loss and the SP-summed grads."""
     from tiny_models import tiny_batch, tiny_model
-
     from ulysses_sp import UlyssesSP, global_num_items, reported_loss
 
     model = tiny_model(family)

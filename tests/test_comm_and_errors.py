@@ -4,14 +4,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ulysses_sp import GlobalMask, SPMesh, UlyssesAttention
 from dist_helper import spawn
+from ulysses_sp import GlobalMask, SPMesh, UlyssesAttention
 
 
 class CollectiveLog:
     """Wraps the torch.distributed collectives to record each call and the bytes sent to others."""
 
-    NAMES = ("all_to_all_single", "all_gather", "all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor")
+    NAMES = ("all_to_all_single", "all_gather", "all_reduce", "broadcast", "all_gather_into_tensor",
+             "reduce_scatter_tensor")
 
     def __init__(self, rank):
         self.rank, self.calls, self._orig = rank, [], {}

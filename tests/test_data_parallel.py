@@ -23,9 +23,9 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from dist_helper import spawn
 from tiny_models import tiny_batch, tiny_model
 from ulysses_sp import SPMesh, UlyssesSPConfig
-from dist_helper import spawn
 from ulysses_sp.integrations.transformers import UlyssesSP
 from ulysses_sp.loss import global_num_items, reported_loss
 

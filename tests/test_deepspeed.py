@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tiny_models import tiny_batch, tiny_model
 from dist_helper import spawn
+from tiny_models import tiny_batch, tiny_model
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed not installed")
 BATCHES = [("padding", 1), ("odd", 2)]  # replica 0 and replica 1 read different batches

@@ -15,7 +15,8 @@ def run_torchrun(nproc: int, *args: str) -> list[dict]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
            str(ROOT / "examples" / "torchrun_train.py"), *args]
     try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     except subprocess.TimeoutExpired as err:  # show where it stood (stdout: the steps done)
         raise AssertionError(f"torchrun hung; stdout: {err.stdout!r:.2000}; stderr: {err.stderr!r:.3000}") from None
     assert out.returncode == 0, out.stderr[-3000:]

@@ -225,9 +225,11 @@ def _chat(i: int) -> str:
 
 DATA_CASES = {
     "empty.jsonl": ("", "has no rows"),
-    "broken.jsonl": ("\n".join([_chat(0), _chat(1), '{"messages": [', _chat(3)]) + "\n", "broken.jsonl:3 is not valid JSON"),
+    "broken.jsonl": ("\n".join([_chat(0), _chat(1), '{"messages": [', _chat(3)]) + "\n",
+                     "broken.jsonl:3 is not valid JSON"),
     "binary.jsonl": (b"\x00\x01\x02PK\x03\x04" * 10, "not UTF-8 text (a binary file?)"),
-    "empty_text.jsonl": (json.dumps({"text": "fine"}) + "\n" + json.dumps({"text": ""}) + "\n", "empty_text.jsonl:2 has an empty 'text'"),
+    "empty_text.jsonl": (json.dumps({"text": "fine"}) + "\n" + json.dumps({"text": ""}) + "\n",
+                         "empty_text.jsonl:2 has an empty 'text'"),
     "columns.jsonl": (json.dumps({"body": "x"}) + "\n", "columns.jsonl:1: rows have columns ['body']"),
     "array_row.jsonl": ("[1, 2]\n", "is a JSON list, not an object"),
     "bad_messages.jsonl": (json.dumps({"messages": ["hi"]}) + "\n", "must be a list of"),
@@ -249,7 +251,8 @@ def test_bad_data_file_refused_before_launch(name, hf_dir, tmp_path, capsys):
                  "--output-dir", str(out)]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err, err
-    assert not out.exists() and not out.with_name("never.incomplete").exists() and not out.with_name("never.lock").exists()
+    assert not out.exists()
+    assert not out.with_name("never.incomplete").exists() and not out.with_name("never.lock").exists()
     assert time.monotonic() - t0 < 60
 
 

@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from dist_helper import spawn
 from tiny_models import tiny_batch, tiny_model
 from ulysses_sp import GlobalMask, SPMesh, UlyssesSPConfig
-from dist_helper import spawn
 from ulysses_sp.integrations.transformers import UlyssesSP
 from ulysses_sp.loss import global_num_items, reported_loss
 
@@ -29,7 +29,8 @@ def reference(family, kind, checkpointing=False):
     if kind == "packed":
         pos = batch["position_ids"][0]
         starts = (pos == 0).nonzero().flatten().tolist() + [pos.numel()]
-        logits = torch.cat([model(input_ids=batch["input_ids"][:, a:e]).logits for a, e in zip(starts[:-1], starts[1:])], 1)
+        ids = batch["input_ids"]
+        logits = torch.cat([model(input_ids=ids[:, a:e]).logits for a, e in zip(starts[:-1], starts[1:])], 1)
         loss = F.cross_entropy(logits[0, :-1], labels[0, 1:])
     else:
         loss = model(**{k: v for k, v in batch.items() if k != "labels"}, labels=labels).loss
@@ -83,7 +84,8 @@ def check_eval(family, kind, mesh):
     with torch.no_grad():
         model = tiny_model(family).eval()
         batch = tiny_batch(kind)
-        ref_logits = torch.cat([model(input_ids=batch["input_ids"][:, a:e]).logits for a, e in ((0, 9), (9, 14), (14, 23))], 1)
+        ids = batch["input_ids"]
+        ref_logits = torch.cat([model(input_ids=ids[:, a:e]).logits for a, e in ((0, 9), (9, 14), (14, 23))], 1)
         ref_loss = F.cross_entropy(ref_logits[0, :-1], batch["input_ids"][0, 1:])
         with UlyssesSP(model, mesh) as sp:
             shard = sp.shard(batch)
@@ -100,7 +102,8 @@ def check_lora(family, kind, mesh):
 
     def lora_model():
         torch.manual_seed(5)
-        return get_peft_model(tiny_model(family), LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+        lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+        return get_peft_model(tiny_model(family), lora)
 
     ref = lora_model()
     batch = tiny_batch(kind)
@@ -141,14 +144,16 @@ def check_batch_keys(mesh):
     cases = [("llama", {"input_ids": ids, "shift_labels": shift}, {"input_ids": ids, "labels": labels}),
              ("gpt2", {"input_ids": ids, "labels": labels, "token_type_ids": types},
               {"input_ids": ids, "labels": labels, "token_type_ids": types}),
-             ("llama", {"input_ids": ids, "labels": labels, "token_type_ids": types}, {"input_ids": ids, "labels": labels})]
+             ("llama", {"input_ids": ids, "labels": labels, "token_type_ids": types},
+              {"input_ids": ids, "labels": labels})]
     for family, batch, ref_inputs in cases:
         ref = tiny_model(family)
         ref_loss = ref(**ref_inputs).loss
         ref_loss.backward()
         loss, grads = _sp_grads(family, batch, mesh)
         # fp32, summation order only (see check())
-        torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-5, atol=1e-5, msg=lambda m: f"{family} {list(batch)}: {m}")
+        torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-5, atol=1e-5,
+                                   msg=lambda m: f"{family} {list(batch)}: {m}")
         for name, p in ref.named_parameters():
             scale = p.grad.abs().max().clamp_min(1e-8)
             torch.testing.assert_close(grads[name] / mesh.sp_size / scale, p.grad / scale, rtol=0, atol=1e-4)
@@ -177,7 +182,8 @@ def check_compiled(mesh):
                                    grad_average_world=mesh.sp_size)
             loss.backward()
     # fp32, summation order only (see check())
-    torch.testing.assert_close(reported_loss(loss.detach(), mesh.sp_size, mesh.sp_group), ref_loss, rtol=1e-5, atol=1e-5)
+    reported = reported_loss(loss.detach(), mesh.sp_size, mesh.sp_group)
+    torch.testing.assert_close(reported, ref_loss, rtol=1e-5, atol=1e-5)
     for name, p in model.named_parameters():
         dist.all_reduce(p.grad, group=mesh.sp_group)
         scale = ref_grads[name].abs().max().clamp_min(1e-8)
@@ -275,10 +281,10 @@ def test_unsupported_models_are_refused_at_registration():
     with pytest.raises(ValueError, match="softcapping.*attn_implementation='eager'"):
         UlyssesSP(tiny_model("gemma2"), FakeMesh(), UlyssesSPConfig(sp_size=2, sp_attn_implementation="sdpa"))
     # Jamba's Mamba1 mixer has no sequence-parallel forward (Qwen3-Next / Bamba / ... do: test_linear_mixers.py)
-    cfg = tf.JambaConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, num_experts=2, num_experts_per_tok=1, attn_layer_period=2,
-                         attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1, mamba_d_state=4,
-                         mamba_d_conv=4, mamba_expand=2)
+    cfg = tf.JambaConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, num_experts=2, num_experts_per_tok=1,
+                         attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
+                         mamba_d_state=4, mamba_d_conv=4, mamba_expand=2)
     with pytest.raises(ValueError, match="linear / recurrent / hybrid"):
         UlyssesSP(tf.AutoModelForCausalLM.from_config(cfg), FakeMesh())
     # Bug caught (found by scripts/model_families.py): both trained silently wrong under SP
@@ -286,8 +292,8 @@ def test_unsupported_models_are_refused_at_registration():
                                num_attention_heads=4, is_decoder=True)
     with pytest.raises(ValueError, match="RoBERTa-style"):  # positions offset by padding_idx + 1, from input_ids
         UlyssesSP(tf.AutoModelForCausalLM.from_config(roberta), FakeMesh())
-    doge = tf.DogeConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
-                         num_key_value_heads=2)
+    doge = tf.DogeConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2)
     with pytest.raises(ValueError, match="learned dynamic mask"):  # a bias over the rank's own keys
         UlyssesSP(tf.AutoModelForCausalLM.from_config(doge), FakeMesh())
     llama4 = tf.Llama4TextConfig(vocab_size=64, hidden_size=32, intermediate_size=32, intermediate_size_mlp=32,
@@ -304,7 +310,8 @@ def test_unsupported_models_are_refused_at_registration():
     FakeMesh.sp_size = 16
     with pytest.raises(ValueError, match="all-to-all over 16 ranks > num_attention_heads 8: use sp_ring_size >= 2"):
         UlyssesSP(tiny_model("llama"), FakeMesh(), UlyssesSPConfig(sp_size=16, sp_ring_size=1))
-    with pytest.raises(ValueError, match="Ulysses x ring when sp_size > num_attention_heads"):  # the ring cannot softcap
+    # the ring cannot softcap
+    with pytest.raises(ValueError, match="Ulysses x ring when sp_size > num_attention_heads"):
         UlyssesSP(tiny_model("gemma2"), FakeMesh(), UlyssesSPConfig(sp_size=16))
     dropout = tiny_model("llama")
     dropout.config.attention_dropout = 0.1  # the ring has no attention dropout: refused before training

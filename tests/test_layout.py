@@ -11,7 +11,8 @@ import torch
 from ulysses_sp.comm import layout
 from ulysses_sp.comm.layout import HeadPlan
 
-CONFIGS = [(8, 8, 1), (8, 8, 2), (8, 2, 4), (8, 1, 4), (6, 2, 4), (12, 4, 3), (8, 2, 3), (7, 7, 3), (9, 3, 4), (4, 1, 3)]
+CONFIGS = [(8, 8, 1), (8, 8, 2), (8, 2, 4), (8, 1, 4), (6, 2, 4), (12, 4, 3), (8, 2, 3), (7, 7, 3), (9, 3, 4),
+           (4, 1, 3)]
 
 
 def _simulate(send: list[tuple[torch.Tensor, list[int]]]) -> list[torch.Tensor]:
@@ -57,7 +58,8 @@ def test_out_exchange_restores_token_layout(N, K, P):
     o = torch.randn(B, P * s, N, Hv, dtype=torch.float64)
     recv = _simulate([layout.pack_out(o[:, :, qa:qb], plan) for qa, qb in plan.q_ranges])
     for r in range(P):
-        torch.testing.assert_close(layout.unpack_out(recv[r], plan, B, s, Hv), o[:, r * s : (r + 1) * s], rtol=0, atol=0)
+        got = layout.unpack_out(recv[r], plan, B, s, Hv)
+        torch.testing.assert_close(got, o[:, r * s : (r + 1) * s], rtol=0, atol=0)
 
 
 def _dot(xs, ys):
@@ -79,7 +81,8 @@ def test_backward_layouts_are_exact_adjoints(N, K, P):
                    torch.randn(B, kk, P * s, Hv, dtype=torch.float64)))
     lhs = sum(_dot(layout.unpack_qkv(fwd[r], plan, r, B, s, H, Hv), ys[r]) for r in range(P))
     bwd = _simulate([layout.pack_qkv_grad(*ys[r], plan) for r in range(P)])
-    rhs = sum(_dot(layout.unpack_qkv_grad(bwd[r], plan, B, s, H, Hv), (shard(q, r), shard(k, r), shard(v, r))) for r in range(P))
+    rhs = sum(_dot(layout.unpack_qkv_grad(bwd[r], plan, B, s, H, Hv), (shard(q, r), shard(k, r), shard(v, r)))
+              for r in range(P))
     torch.testing.assert_close(lhs, rhs, rtol=1e-12, atol=1e-12)  # float64 sums of a few hundred terms
 
     o = torch.randn(B, P * s, N, Hv, dtype=torch.float64)
@@ -87,7 +90,8 @@ def test_backward_layouts_are_exact_adjoints(N, K, P):
     fwd = _simulate([layout.pack_out(o[:, :, qa:qb], plan) for qa, qb in plan.q_ranges])
     lhs = sum(_dot([layout.unpack_out(fwd[r], plan, B, s, Hv)], [g[:, r * s : (r + 1) * s]]) for r in range(P))
     bwd = _simulate([layout.pack_out_grad(g[:, r * s : (r + 1) * s], plan) for r in range(P)])
-    rhs = sum(_dot([layout.unpack_out_grad(bwd[r], plan, r, B, s, Hv)], [o[:, :, qa:qb]]) for r, (qa, qb) in enumerate(plan.q_ranges))
+    rhs = sum(_dot([layout.unpack_out_grad(bwd[r], plan, r, B, s, Hv)], [o[:, :, qa:qb]])
+              for r, (qa, qb) in enumerate(plan.q_ranges))
     torch.testing.assert_close(lhs, rhs, rtol=1e-12, atol=1e-12)
 
 
@@ -102,7 +106,8 @@ def test_uneven_split_sizes_differ_by_at_most_one():
 
 @pytest.mark.parametrize(
     "N,K,P,match",
-    [(4, 4, 8, "all-to-all over 8 ranks is larger.*sp_ring_size"), (6, 4, 2, "multiple of num_kv_heads"), (8, 8, 0, "sp_size must be >= 1")],
+    [(4, 4, 8, "all-to-all over 8 ranks is larger.*sp_ring_size"), (6, 4, 2, "multiple of num_kv_heads"),
+     (8, 8, 0, "sp_size must be >= 1")],
 )
 def test_invalid_plans_raise_with_the_fix(N, K, P, match):
     """Catches silently accepting a head layout Ulysses cannot split."""

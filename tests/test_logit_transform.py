@@ -6,7 +6,6 @@ its tiles; any other transform must be refused, not trained through silently.
 """
 
 import pytest
-import torch
 
 from dist_helper import spawn
 from test_hf_parity import check

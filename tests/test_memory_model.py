@@ -29,7 +29,8 @@ def test_param_count_matches_transformers(config):
     model = tf.AutoModelForCausalLM.from_config(config)
     dims = ModelDims.from_config(config)
     real = sum(p.numel() for p in model.parameters())
-    extra_norms = 2 * config.num_hidden_layers * getattr(config, "head_dim", 0) if isinstance(config, tf.Qwen3Config) else 0
+    qwen3 = isinstance(config, tf.Qwen3Config)
+    extra_norms = 2 * config.num_hidden_layers * getattr(config, "head_dim", 0) if qwen3 else 0
     assert dims.num_params == real - extra_norms  # Qwen3's q/k norms (2 * head_dim per layer) are left out
 
 
@@ -74,7 +75,8 @@ def test_feature_terms_scale_as_documented():
     assert sp.terms["checkpointed_inputs"] * 2 == tiled.terms["checkpointed_inputs"]
     off = estimate_peak_memory(LLAMA, 8192, 2, torch.float32, f(tiled_loss_tokens=64, offload=True))
     assert off.host_bytes == sp.terms["checkpointed_inputs"] and off.peak_bytes < sp.peak_bytes
-    cpu = estimate_peak_memory(LLAMA, 8192, 2, torch.float32, f(tiled_loss_tokens=64, offload=True, host_is_device=True))
+    cpu = estimate_peak_memory(LLAMA, 8192, 2, torch.float32,
+                               f(tiled_loss_tokens=64, offload=True, host_is_device=True))
     assert cpu.peak_bytes == sp.peak_bytes and cpu.host_bytes == 0
     bf16 = estimate_peak_memory(LLAMA, 8192, 1, torch.bfloat16, f(), optimizer="adam")
     assert bf16.static["optimizer"] == ModelDims.from_config(LLAMA).num_params * 12

@@ -44,8 +44,8 @@ def plan_error(capsys, *args: str) -> str:
 
 def test_refuses_what_train_refuses_with_the_same_message(tmp_path, capsys):
     """Bug caught: the planner predicting memory for a run ``train`` would refuse (sp 64 with an
-    all-to-all over 64 ranks on a 32-head model, a non-causal encoder-decoder model), or with a different message than the one
-    ``check_model_support`` (train's check) gives for the same model."""
+    all-to-all over 64 ranks on a 32-head model, a non-causal encoder-decoder model), or with a different
+    message than the one ``check_model_support`` (train's check) gives for the same model."""
     config = tf.AutoConfig.for_model("llama", **PRESETS["llama-3-8b"])
     with torch.device("meta"):
         model = tf.AutoModelForCausalLM.from_config(config)
@@ -82,7 +82,8 @@ def test_refuses_budgets_that_are_not_positive_finite(flags, message, capsys):
 
 
 def _features(rung: str, offload_optimizer: bool) -> MemoryFeatures:
-    tiles = {"+ tiled loss": dict(tiled_loss_tokens=1024), "+ tiled MLP": dict(tiled_loss_tokens=1024, tiled_mlp_tokens=4096),
+    tiles = {"+ tiled loss": dict(tiled_loss_tokens=1024),
+             "+ tiled MLP": dict(tiled_loss_tokens=1024, tiled_mlp_tokens=4096),
              "+ offload": dict(tiled_loss_tokens=1024, tiled_mlp_tokens=4096, offload=True)}.get(rung, {})
     return MemoryFeatures(kernel_workspace=True, offload_optimizer=offload_optimizer, **tiles)
 
@@ -106,7 +107,8 @@ def test_json_record_says_what_the_estimator_says_and_checks_host_memory(capsys)
     for rung in record["rungs"]:
         features = _features(rung["features"], offload_optimizer=True)
         b = estimate_peak_memory(PRESETS["llama-3-8b"], 3_500_000, 8, "bfloat16", features, **kw)
-        assert (rung["required_bytes"], rung["host_bytes"]) == (b.required_bytes(scale, int(reserve * GIB)), b.host_bytes)
+        expected = (b.required_bytes(scale, int(reserve * GIB)), b.host_bytes)
+        assert (rung["required_bytes"], rung["host_bytes"]) == expected
         assert rung["fits"] == ok(3_500_000, features)
         longest = rung["longest_seq_len"]
         assert longest > 0 and ok(longest, features) and not ok(longest + 64 * 8, features), rung

@@ -8,9 +8,9 @@ the output and the gradients of q, k and v under a random output gradient.
 import pytest
 import torch
 
+from dist_helper import spawn
 from ulysses_sp import GlobalMask, SPMesh
 from ulysses_sp.attention import RingAttention
-from dist_helper import spawn
 
 B, S, H = 2, 12, 8
 # row 0: documents of length 5, 4, 3; row 1: 7, 5
@@ -96,7 +96,8 @@ def _worker(rank, world, cases):
 ALL_MASKS = [(8, 2, m, torch.float32) for m in MASKS] + [(4, 4, "causal", torch.float32), (4, 1, "docs", torch.float32)]
 CASES = {1: [(8, 2, "causal", torch.float32), (8, 2, "docs+padding+window", torch.float32)],
          2: ALL_MASKS + [(8, 2, "causal", torch.bfloat16)],
-         3: [(8, 2, "causal", torch.float32), (8, 2, "docs+padding+window", torch.float32), (4, 1, "docs", torch.float32)],
+         3: [(8, 2, "causal", torch.float32), (8, 2, "docs+padding+window", torch.float32),
+             (4, 1, "docs", torch.float32)],
          4: [(8, 2, "causal", torch.float32), (4, 1, "docs+padding+window", torch.float32)]}
 
 

@@ -28,7 +28,8 @@ def reference(family, kind):
     if "position_ids" in batch:  # packed: documents kept apart by a 4-D mask in the same single call
         doc = document_ids_from_position_ids(batch["position_ids"])
         S = doc.shape[1]
-        batch["attention_mask"] = ((doc[:, :, None] == doc[:, None, :]) & torch.ones(S, S, dtype=torch.bool).tril())[:, None]
+        causal = torch.ones(S, S, dtype=torch.bool).tril()
+        batch["attention_mask"] = ((doc[:, :, None] == doc[:, None, :]) & causal)[:, None]
     loss = model(**{k: v for k, v in batch.items() if k != "labels"}, labels=labels).loss
     loss.backward()
     return loss.detach(), {n: p.grad for n, p in model.named_parameters()}

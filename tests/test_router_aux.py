@@ -13,7 +13,7 @@ from dist_helper import spawn
 from test_hf_parity import sp_run
 from test_rope_length import reference
 from tiny_models import tiny_batch, tiny_model
-from ulysses_sp import SPMesh, UlyssesSP, UlyssesSPConfig
+from ulysses_sp import SPMesh, UlyssesSP
 from ulysses_sp.loss import global_num_items
 
 PLAN = {2: [("mixtral_aux", "plain"), ("mixtral_aux", "odd"), ("qwen3_moe_aux", "padding")],

@@ -28,12 +28,12 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-from dist_helper import spawn
-from test_tiled_mlp import moe_model
-from tiny_models import tiny_batch, tiny_model
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
+from dist_helper import spawn
+from test_tiled_mlp import moe_model
+from tiny_models import tiny_batch, tiny_model
 from ulysses_sp import SPMesh, UlyssesSPConfig
 from ulysses_sp.integrations.transformers import UlyssesSP
 from ulysses_sp.loss import global_num_items, reported_loss

@@ -64,7 +64,8 @@ def test_position_ids_and_labels_from_attention_mask() -> None:
     am = torch.tensor([[1, 1, 1, 1, 0, 0], [0, 0, 1, 1, 1, 1]])
     shards = _shards({"input_ids": ids, "attention_mask": am}, 2)
     assert torch.equal(_cat(shards, "position_ids"), torch.arange(6).expand(2, 6))
-    shift = torch.tensor([[6, 7, 8, IGNORE, IGNORE, IGNORE], [IGNORE, IGNORE, 6, 7, 8, IGNORE]])  # 5 is predicted from padding
+    # 5 is predicted from padding
+    shift = torch.tensor([[6, 7, 8, IGNORE, IGNORE, IGNORE], [IGNORE, IGNORE, 6, 7, 8, IGNORE]])
     assert torch.equal(_cat(shards, "shift_labels"), shift)
     assert torch.equal(shards[1]["ulysses_mask"].valid, am.bool())
 

@@ -102,10 +102,12 @@ def test_models_with_sinks_are_checked_per_kernel_and_backend():
     FA2 without sinks, ring attention), and one refused with the kernels that apply them."""
     model = tiny_model("gpt_oss")
     assert check_model_support(model, UlyssesSPConfig(sp_size=2)) == "eager"
-    assert check_model_support(model, UlyssesSPConfig(sp_size=2, sp_attn_implementation="flex_attention")) == "flex_attention"
+    flex = UlyssesSPConfig(sp_size=2, sp_attn_implementation="flex_attention")
+    assert check_model_support(model, flex) == "flex_attention"
     refusals = {
         "SDPA cannot apply attention sinks": UlyssesSPConfig(sp_size=2, sp_attn_implementation="sdpa"),
-        "installed flash_attention_2 takes none": UlyssesSPConfig(sp_size=2, sp_attn_implementation="flash_attention_2"),
+        "installed flash_attention_2 takes none":
+            UlyssesSPConfig(sp_size=2, sp_attn_implementation="flash_attention_2"),
         "ring attention cannot apply: use sp_backend='ulysses'": UlyssesSPConfig(sp_size=2, sp_backend="ring"),
         "ring attention cannot apply: use sp_size <= num_attention_heads": UlyssesSPConfig(sp_size=12),
     }

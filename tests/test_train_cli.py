@@ -126,7 +126,8 @@ def test_real_model_on_chat_jsonl_trains_with_sp2(hf_dir, tmp_path):
     argv = ["train", "--model", str(hf_dir), "--dataset", str(data), "--seq-len", "64", "--max-steps", "2",
             "--per-device-train-batch-size", "2", "--logging-steps", "1", "--output-dir", str(out),
             # the memory features through the CLI: tiles not dividing the 32-token shard, offload
-            "--activation-checkpointing", "--offload-activations", "--tiled-mlp-tokens", "12", "--tiled-loss-tokens", "10"]
+            "--activation-checkpointing", "--offload-activations", "--tiled-mlp-tokens", "12",
+            "--tiled-loss-tokens", "10"]
     assert main(argv) == 0
     records = _records(out)
     assert len(records) == 2 and all("accuracy" not in r and r["loss"] > 0 for r in records)
@@ -234,7 +235,8 @@ def test_prompt_completion_and_text_rows_tokenize_and_pack_like_trl(hf_dir, tmp_
     rows = prepare_dataset(SimpleNamespace(dataset=[str(pc)], packing=False, **opts), tok, seed=0)
     ids, labels = rows[0]["input_ids"], rows[0]["labels"]
     n_prompt = len(tok("Q0:", add_special_tokens=False)["input_ids"])
-    assert ids[-1] == tok.eos_token_id and labels[:n_prompt] == [-100] * n_prompt and labels[n_prompt:] == ids[n_prompt:]
+    assert ids[-1] == tok.eos_token_id
+    assert labels[:n_prompt] == [-100] * n_prompt and labels[n_prompt:] == ids[n_prompt:]
     text = tmp_path / "lines.txt"
     text.write_text("abcdef\nghij\nkl\n")
     packed = prepare_dataset(SimpleNamespace(dataset=[str(text)], packing=True, **opts), tok, seed=0)

@@ -187,7 +187,8 @@ def test_small_loss_range_gets_a_readable_linear_axis_and_eval_points(tmp_path):
     labels = [t.get_text() for t in loss.get_yticklabels() if t.get_text()]
     assert len(set(labels)) == len(labels) >= 3  # distinct labels, not one repeated rounded value
     assert [line.get_label() for line in loss.get_lines()] == ["train", "eval"]
-    assert {"learning rate", "grad norm", "tokens / s", "peak memory (GiB, max over ranks)"} <= {a.get_title() for a in fig.axes}
+    titles = {a.get_title() for a in fig.axes}
+    assert {"learning rate", "grad norm", "tokens / s", "peak memory (GiB, max over ranks)"} <= titles
     assert fig._suptitle.get_text() == "model on data, S=1024, P=2"
     assert plot_metrics(records, tmp_path / "m.png", "t").read_bytes()[:8] == PNG_MAGIC
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from dist_helper import spawn
 
 ROOT = Path(__file__).resolve().parents[1]

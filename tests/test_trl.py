@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from dist_helper import spawn
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -27,7 +27,8 @@ def tiny_config(family: str):
         return tf.Qwen3Config(**COMMON, num_attention_heads=6, num_key_value_heads=2, head_dim=16), "sdpa"
     if family == "gemma2":  # logit softcapping, alternating sliding window, query_pre_attn_scalar
         return tf.Gemma2Config(**COMMON, num_attention_heads=8, num_key_value_heads=4, head_dim=16, sliding_window=6,
-                               attn_logit_softcapping=3.0, final_logit_softcapping=5.0, query_pre_attn_scalar=16), "eager"
+                               attn_logit_softcapping=3.0, final_logit_softcapping=5.0,
+                               query_pre_attn_scalar=16), "eager"
     if family == "gemma3":
         cfg = tf.Gemma3TextConfig(**COMMON, num_attention_heads=4, num_key_value_heads=1, head_dim=16, sliding_window=6,
                                   query_pre_attn_scalar=16)
@@ -66,9 +67,10 @@ def tiny_config(family: str):
                               rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
         return cfg, "eager"
     if family == "gpt2":  # Conv1D projections that flatten with .view, learned absolute positions, MHA
+        # no dropout: both runs deterministic
         return tf.GPT2Config(vocab_size=128, n_embd=64, n_head=8, n_layer=2, n_positions=256, n_inner=96,
-                             pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, resid_pdrop=0.0, embd_pdrop=0.0,
-                             attn_pdrop=0.0), "sdpa"  # no dropout: both runs deterministic
+                             pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+                             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0), "sdpa"
     if family == "gemma3_vlm":  # image tokens (token_type_ids 1) attend bidirectionally in its own mask
         cfg = tf.Gemma3Config(
             text_config={**COMMON, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 16,

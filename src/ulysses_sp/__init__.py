@@ -30,21 +30,61 @@ import importlib
 from typing import Any
 
 from ulysses_sp.attention import (
-    KERNELS, GlobalMask, RingAttention, SPAttention, UlyssesAttention, build_attention, get_kernel,
+    KERNELS,
+    GlobalMask,
+    RingAttention,
+    SPAttention,
+    UlyssesAttention,
+    build_attention,
+    get_kernel,
 )
 from ulysses_sp.comm import (
-    DEFAULT_TIMEOUT_S, AttentionComm, CommCounter, SPMesh, all_reduce_sum, attention_comm, check_same_across_ranks,
+    DEFAULT_TIMEOUT_S,
+    AttentionComm,
+    CommCounter,
+    SPMesh,
+    all_reduce_sum,
+    attention_comm,
+    check_same_across_ranks,
     check_sp_size,
-    close_world, collective_device, free_port, gather_signature, local_backend, spawn,
+    close_world,
+    collective_device,
+    free_port,
+    gather_signature,
+    local_backend,
+    spawn,
 )
 from ulysses_sp.config import ATTN_IMPLEMENTATIONS, IGNORE_INDEX, SP_BACKENDS, UlyssesSPConfig, auto_ring_size
 from ulysses_sp.data import (
-    PACKED_KEYS, ShardedBatch, UlyssesDataLoader, check_batch, dp_sampler_kwargs, shard_batch, validate_same_batch,
+    PACKED_KEYS,
+    ShardedBatch,
+    UlyssesDataLoader,
+    check_batch,
+    dp_sampler_kwargs,
+    shard_batch,
+    validate_same_batch,
 )
-from ulysses_sp.loss import AnswerScores, answer_positions, answer_scores, global_num_items, reported_loss, sp_token_loss, tiled_token_loss
+from ulysses_sp.loss import (
+    AnswerScores,
+    answer_positions,
+    answer_scores,
+    global_num_items,
+    reported_loss,
+    sp_token_loss,
+    tiled_token_loss,
+)
 from ulysses_sp.memory import (
-    ActivationOffload, MemoryBreakdown, MemoryFeatures, ModelDims, OffloadStats, TiledMLP, TiledMoE, apply_tiled_mlp,
-    estimate_peak_memory, longest_sequence, remove_tiled_mlp,
+    ActivationOffload,
+    MemoryBreakdown,
+    MemoryFeatures,
+    ModelDims,
+    OffloadStats,
+    TiledMLP,
+    TiledMoE,
+    apply_tiled_mlp,
+    estimate_peak_memory,
+    longest_sequence,
+    remove_tiled_mlp,
 )
 
 __version__ = "0.1.0"
@@ -64,13 +104,14 @@ _LAZY = {
 
 __all__ = [
     "ATTN_IMPLEMENTATIONS", "DEFAULT_TIMEOUT_S", "IGNORE_INDEX", "KERNELS", "PACKED_KEYS", "SP_BACKENDS",
-    "ActivationOffload", "AnswerScores", "AttentionComm", "CommCounter", "GlobalMask", "MemoryBreakdown", "MemoryFeatures",
-    "ModelDims", "OffloadStats", "RingAttention", "SPAttention", "SPMesh", "ShardedBatch", "TiledMLP", "TiledMoE",
-    "UlyssesAttention", "UlyssesDataLoader", "UlyssesSPConfig",
-    "all_reduce_sum", "answer_positions", "answer_scores", "apply_tiled_mlp", "attention_comm", "auto_ring_size", "build_attention", "check_batch",
-    "check_same_across_ranks", "check_sp_size", "close_world", "collective_device", "dp_sampler_kwargs", "estimate_peak_memory",
-    "free_port", "gather_signature", "get_kernel", "global_num_items", "local_backend", "longest_sequence", "remove_tiled_mlp", "reported_loss",
-    "shard_batch", "sp_token_loss", "spawn", "tiled_token_loss", "validate_same_batch",
+    "ActivationOffload", "AnswerScores", "AttentionComm", "CommCounter", "GlobalMask", "MemoryBreakdown",
+    "MemoryFeatures", "ModelDims", "OffloadStats", "RingAttention", "SPAttention", "SPMesh", "ShardedBatch",
+    "TiledMLP", "TiledMoE", "UlyssesAttention", "UlyssesDataLoader", "UlyssesSPConfig",
+    "all_reduce_sum", "answer_positions", "answer_scores", "apply_tiled_mlp", "attention_comm", "auto_ring_size",
+    "build_attention", "check_batch", "check_same_across_ranks", "check_sp_size", "close_world", "collective_device",
+    "dp_sampler_kwargs", "estimate_peak_memory", "free_port", "gather_signature", "get_kernel", "global_num_items",
+    "local_backend", "longest_sequence", "remove_tiled_mlp", "reported_loss", "shard_batch", "sp_token_loss", "spawn",
+    "tiled_token_loss", "validate_same_batch",
     *_LAZY, "__version__",
 ]
 

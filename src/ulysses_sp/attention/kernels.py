@@ -58,7 +58,8 @@ def sdpa(q, k, v, mask: GlobalMask, *, scaling=None, sliding_window=None, softca
     Mask memory is O(B*S) plus one block; the kernels' own work is per call.
     """
     if softcap is not None:
-        raise ValueError("sdpa cannot apply attention logit softcapping; use 'eager', 'flex_attention' or flash-attention.")
+        raise ValueError("sdpa cannot apply attention logit softcapping; "
+                         "use 'eager', 'flex_attention' or flash-attention.")
     if sinks is not None:
         raise ValueError(SDPA_NO_SINKS)
     kw = dict(dropout_p=dropout, scale=scaling, enable_gqa=q.shape[1] != k.shape[1])
@@ -116,7 +117,8 @@ def sdpa_windowed(q, k, v, mask: GlobalMask, window: int, *, block_rows: int, **
         e = min(S, a + block_rows)
         c0, c1 = max(0, a - window + 1), e if mask.causal else S
         allowed = mask.block(a, c0, e - a, c1 - c0, q.device, window)[:, None]
-        parts.append(F.scaled_dot_product_attention(q[:, :, a:e], k[:, :, c0:c1], v[:, :, c0:c1], attn_mask=allowed, **kw))
+        kv = k[:, :, c0:c1], v[:, :, c0:c1]
+        parts.append(F.scaled_dot_product_attention(q[:, :, a:e], *kv, attn_mask=allowed, **kw))
     return torch.cat(parts, dim=2)
 
 

@@ -30,7 +30,8 @@ def _inputs(args: argparse.Namespace):
     gen = torch.Generator().manual_seed(0)
     S, D = args.seq_len, args.num_heads * args.head_dim
     x = torch.randn(1, S, D, generator=gen)
-    w = [torch.randn(D, h * args.head_dim, generator=gen) / D**0.5 for h in (args.num_heads, args.num_kv_heads, args.num_kv_heads)]
+    heads = (args.num_heads, args.num_kv_heads, args.num_kv_heads)
+    w = [torch.randn(D, h * args.head_dim, generator=gen) / D**0.5 for h in heads]
     cuts = torch.linspace(0, S, args.documents + 1).long().tolist()
     positions = torch.cat([torch.arange(b - a) for a, b in zip(cuts[:-1], cuts[1:])])[None]
     return x, w, GlobalMask.from_position_ids(positions)

@@ -17,13 +17,15 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("ulysses_sp.cli.plan", "predicted peak memory per rank and the memory features that fit a budget"),
     "bench": ("ulysses_sp.cli.bench", "step time, memory, bytes: our Ulysses vs DeepSpeed's, ring, one process"),
     "train": ("ulysses_sp.cli.train", "train a causal LM with SP (default: a long-range copy task, 2 processes)"),
-    "eval-long": ("ulysses_sp.cli.eval_long", "passkey retrieval of a saved model at long lengths and depths, under SP"),
+    "eval-long": ("ulysses_sp.cli.eval_long",
+                  "passkey retrieval of a saved model at long lengths and depths, under SP"),
 }
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``ulysses-sp`` parser with one subparser per entry of ``COMMANDS``."""
-    parser = argparse.ArgumentParser(prog="ulysses-sp", description="Ulysses sequence parallelism for HF language models.")
+    parser = argparse.ArgumentParser(prog="ulysses-sp",
+                                     description="Ulysses sequence parallelism for HF language models.")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module, help_text) in COMMANDS.items():
         importlib.import_module(module).add_arguments(sub.add_parser(name, help=help_text, description=help_text))

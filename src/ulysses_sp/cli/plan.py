@@ -55,7 +55,8 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help=f"a local model directory (config.json) or a preset: {', '.join(PRESETS)}")
+    parser.add_argument("--model", required=True,
+                        help=f"a local model directory (config.json) or a preset: {', '.join(PRESETS)}")
     parser.add_argument("--seq-len", type=int, required=True, help="global tokens per sequence (S)")
     parser.add_argument("--sp-size", type=int, default=1, help="Ulysses SP degree (P)")
     parser.add_argument("--sp-ring-size", type=int, default=None,
@@ -64,12 +65,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budget-gib", type=float, required=True, help="device memory per rank (GiB)")
     parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
     parser.add_argument("--batch-size", type=int, default=1, help="sequences per micro-batch")
-    parser.add_argument("--optimizer", default="adam", choices=("adam", "none"), help="count Adam states as static memory")
+    parser.add_argument("--optimizer", default="adam", choices=("adam", "none"),
+                        help="count Adam states as static memory")
     parser.add_argument("--state-shards", type=int, default=1,
                         help="ranks sharding weights/grads/optimizer (ZeRO-3 / FSDP); 1 = replicated")
     parser.add_argument("--offload-optimizer", action="store_true",
                         help="optimizer states, fp32 master weights and grads in host memory (ZeRO-Offload, CPU Adam)")
-    parser.add_argument("--offload-params", action="store_true", help="weight partitions in host memory (ZeRO-3 offload_param)")
+    parser.add_argument("--offload-params", action="store_true",
+                        help="weight partitions in host memory (ZeRO-3 offload_param)")
     parser.add_argument("--host-gib", type=float, default=None,
                         help="host memory one rank may use for offloads (GiB); default: not checked")
     parser.add_argument("--peak-scale", type=float, default=None,
@@ -197,8 +200,9 @@ def run(args: argparse.Namespace) -> int:
               f"{r['peak_phase']:<10} {r['longest_seq_len']:>20}")
     if record["recommended"] is None:
         print(f"nothing fits S={args.seq_len}: raise --sp-size, shard states (--state-shards), offload the optimizer "
-              "(--offload-optimizer) or shorten the sequence" + ("" if args.host_gib is None else "; or allow more --host-gib")
-              + ".")
+              "(--offload-optimizer) or shorten the sequence"
+              + ("" if args.host_gib is None else "; or allow more --host-gib") + ".")
         return 1
-    print(f"recommended: {record['recommended']} (the first rung of the ladder that fits; later rungs cost more compute)")
+    print(f"recommended: {record['recommended']} "
+          "(the first rung of the ladder that fits; later rungs cost more compute)")
     return 0

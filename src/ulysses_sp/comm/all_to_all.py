@@ -201,7 +201,8 @@ class _HeadChunkedAttention(torch.autograd.Function):
             chunk, gout = chunks[c], gout_next
             if c > 0:
                 gout_next = send_gout(chunks[c - 1])  # in flight while this chunk computes
-            dq, dk, dv, *dp = _chunk_grads(graphs, c, layout.unpack_out_grad(gout.wait(), chunk, rank, B, s, Hv), params)
+            gout_chunk = layout.unpack_out_grad(gout.wait(), chunk, rank, B, s, Hv)
+            dq, dk, dv, *dp = _chunk_grads(graphs, c, gout_chunk, params)
             param_grads = [a if b is None else b if a is None else a + b for a, b in zip(param_grads, dp)]
             if carry is not None:  # the next chunk read my last kv head without receiving it again
                 dk[:, -1:] += carry[0]

@@ -117,6 +117,6 @@ def spawn(
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed", "ulysses_sp.comm.launch", *preload])
     mp.start_processes(
-        _worker, args=(fn, world_size, free_port(), backend, timeout_s, args, device_type), nprocs=world_size, join=True,
-        start_method="forkserver",
+        _worker, args=(fn, world_size, free_port(), backend, timeout_s, args, device_type), nprocs=world_size,
+        join=True, start_method="forkserver",
     )

@@ -251,9 +251,8 @@ def pack_qkv(
 ) -> tuple[torch.Tensor, list[int]]:
     """Sender side of the seq->head exchange: one flat buffer and the split size per destination."""
     _check_qkv(q_BNsH, k_BKsH, v_BKsH, plan)
-    return _pack(
-        [[q_BNsH[:, qa:qb], k_BKsH[:, ka:kb], v_BKsH[:, ka:kb]] for (qa, qb), (ka, kb) in zip(plan.q_ranges, plan.kv_ranges)]
-    )
+    ranges = zip(plan.q_ranges, plan.kv_ranges)
+    return _pack([[q_BNsH[:, qa:qb], k_BKsH[:, ka:kb], v_BKsH[:, ka:kb]] for (qa, qb), (ka, kb) in ranges])
 
 
 def unpack_qkv(

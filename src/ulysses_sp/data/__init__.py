@@ -20,4 +20,5 @@ from ulysses_sp.data.sharding import (
     validate_same_batch,
 )
 
-__all__ = ["PACKED_KEYS", "ShardedBatch", "check_batch", "UlyssesDataLoader", "dp_sampler_kwargs", "shard_batch", "validate_same_batch"]
+__all__ = ["PACKED_KEYS", "ShardedBatch", "check_batch", "UlyssesDataLoader", "dp_sampler_kwargs", "shard_batch",
+           "validate_same_batch"]

@@ -40,7 +40,7 @@ model's ``get_rope_index`` on the FULL batch before sharding.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Required, TypedDict
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 import torch.distributed as dist
@@ -66,7 +66,16 @@ PACKED_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens", "seq_idx", "max_l
 """Batch keys of packed-attention collators; their presence means the rows are packed documents."""
 
 
-class ShardedBatch(TypedDict, total=False):
+class _ShardedBatchKeys(TypedDict):
+    """The keys every :class:`ShardedBatch` has (a base class: ``typing.Required`` is Python >= 3.11)."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    shift_labels: torch.Tensor
+    ulysses_mask: GlobalMask
+
+
+class ShardedBatch(_ShardedBatchKeys, total=False):
     """What :func:`shard_batch` returns: a plain ``dict``, so ``model(**batch)`` works and
     Trainer / Accelerate device moves keep it intact.
 
@@ -81,10 +90,6 @@ class ShardedBatch(TypedDict, total=False):
                    batch has them; the S padding gets type 0).
     """
 
-    input_ids: Required[torch.Tensor]
-    position_ids: Required[torch.Tensor]
-    shift_labels: Required[torch.Tensor]
-    ulysses_mask: Required[GlobalMask]
     token_type_ids: torch.Tensor
 
 

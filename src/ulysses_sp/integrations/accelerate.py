@@ -35,7 +35,12 @@ import torch
 import torch.distributed as dist
 from accelerate import Accelerator
 from torch.utils.data import (
-    BatchSampler, DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler,
+    BatchSampler,
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
 )
 
 from ulysses_sp.config import UlyssesSPConfig
@@ -231,7 +236,8 @@ class UlyssesAccelerate:
                 "Launch several: `accelerate launch --config_file examples/accelerate_config.yaml ...` (a config with "
                 f"num_processes: {self.config.sp_size} and a multi-process distributed_type), `accelerate launch "
                 f"--multi_gpu --num_processes {self.config.sp_size} ...` or `torchrun --nproc-per-node "
-                f"{self.config.sp_size} ...`; `--num_processes` alone, without a multi-process config, starts one process."
+                f"{self.config.sp_size} ...`; `--num_processes` alone, without a multi-process config, "
+                "starts one process."
             )
         self.config.validate(accelerator.num_processes)
         self._check_accelerator()
@@ -316,7 +322,8 @@ class UlyssesAccelerate:
         ``accelerator.backward`` (tiled lm_head + CE when ``config.tiled_loss_tokens`` is set)."""
         if self.sp is None or "num_items_in_batch" not in shard:
             raise ValueError("loss_for needs a shard from a loader returned by sp.prepare(...) or sp.shard(batch).")
-        return self.sp.forward_loss(model, shard, shard["num_items_in_batch"], grad_average_world=self.grad_average_world)
+        return self.sp.forward_loss(model, shard, shard["num_items_in_batch"],
+                                    grad_average_world=self.grad_average_world)
 
     def reported_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """This micro-batch's part of the optimizer step's global token-mean loss (same on all ranks);

@@ -54,15 +54,18 @@ class UlyssesSFTTrainer(UlyssesTrainerMixin, SFTTrainer):
         """
         mode = "train" if self.model.training else "eval"
         extra = {"output_router_logits": True} if self.aux_loss_enabled else {}
-        with recording_outputs(self.ulysses.base, "router_logits") if self.aux_loss_enabled else nullcontext([]) as router:
-            out = model(**UlyssesSP.model_inputs(shard), shift_labels=shard["shift_labels"], fused_lm_head=True, **extra)
+        recorder = recording_outputs(self.ulysses.base, "router_logits") if self.aux_loss_enabled else nullcontext([])
+        with recorder as router:
+            out = model(**UlyssesSP.model_inputs(shard), shift_labels=shard["shift_labels"], fused_lm_head=True,
+                        **extra)
         per_token = -out.log_probs
         if self.args.loss_type == "dft":
             per_token = per_token * out.log_probs.exp().detach()
         count = torch.as_tensor(num_items, device=per_token.device, dtype=torch.float32).clamp(min=1)
         loss = per_token.sum() / count * grad_average_world
         if self.aux_loss_enabled:  # the fused head's output keeps aux_loss (of this shard) but not the router logits
-            loss = loss + self._sp_aux_loss(SimpleNamespace(router_logits=tuple(router), aux_loss=out.aux_loss), shard, mode)
+            outputs = SimpleNamespace(router_logits=tuple(router), aux_loss=out.aux_loss)
+            loss = loss + self._sp_aux_loss(outputs, shard, mode)
         sums = torch.stack([out.label_mask.sum(), out.entropy.detach().sum(), out.is_top1.sum()]).float()
         num_valid, entropy, correct = all_reduce_sum(sums).tolist()
         sft_metrics(self)[mode]["entropy"].append(entropy / num_valid if num_valid > 0 else 0.0)

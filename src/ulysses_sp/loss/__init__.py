@@ -23,4 +23,5 @@ from ulysses_sp.loss.cross_entropy import global_num_items, reported_loss, sp_to
 from ulysses_sp.loss.router_aux import sp_router_aux_loss
 from ulysses_sp.loss.tiled import tiled_token_loss
 
-__all__ = ["AnswerScores", "answer_positions", "answer_scores", "global_num_items", "reported_loss", "sp_router_aux_loss", "sp_token_loss", "tiled_token_loss"]
+__all__ = ["AnswerScores", "answer_positions", "answer_scores", "global_num_items", "reported_loss",
+           "sp_router_aux_loss", "sp_token_loss", "tiled_token_loss"]

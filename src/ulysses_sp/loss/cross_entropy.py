@@ -88,7 +88,8 @@ def sp_token_loss(
     return local_sum / count * grad_average_world
 
 
-def softmax_cross_entropy(logits_TV: torch.Tensor, labels_T: torch.Tensor, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+def softmax_cross_entropy(logits_TV: torch.Tensor, labels_T: torch.Tensor,
+                          ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(CE sum over valid tokens, softmax - onehot)`` in fp32 from one softmax pass.
 
     Shape legend: T tokens, V vocab. ``p = softmax(logits)``; each row's log-sum-exp from its

@@ -45,7 +45,8 @@ def router_sums(
         p_TE = torch.softmax(logits_TE.to(device).float(), dim=-1)
         m_T = torch.ones(p_TE.shape[0], device=device) if valid_T is None else valid_T.to(device, torch.float32)
         chosen_Tk = torch.topk(p_TE.detach(), top_k, dim=-1).indices
-        count = count + torch.zeros(E, device=device).scatter_add_(0, chosen_Tk.reshape(-1), m_T.repeat_interleave(top_k))
+        chosen = torch.zeros(E, device=device).scatter_add_(0, chosen_Tk.reshape(-1), m_T.repeat_interleave(top_k))
+        count = count + chosen
         prob = prob + (p_TE * m_T[:, None]).sum(dim=0)
         num = num + m_T.sum()
     return count, prob, num

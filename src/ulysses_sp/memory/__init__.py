@@ -13,7 +13,11 @@ Main entry points:
 """
 
 from ulysses_sp.memory.estimate import (
-    MemoryBreakdown, MemoryFeatures, ModelDims, estimate_peak_memory, longest_sequence,
+    MemoryBreakdown,
+    MemoryFeatures,
+    ModelDims,
+    estimate_peak_memory,
+    longest_sequence,
 )
 from ulysses_sp.memory.offload import ActivationOffload, OffloadStats
 from ulysses_sp.memory.tiled_mlp import TiledMLP, TiledMLPFunction, TiledTokensFunction

@@ -70,7 +70,9 @@ class ModelDims:
 
     @classmethod
     def from_config(cls, config: Any) -> ModelDims:
-        get = (lambda k, d=None: config.get(k, d)) if isinstance(config, Mapping) else (lambda k, d=None: getattr(config, k, d))
+        def get(key: str, default: Any = None) -> Any:
+            return config.get(key, default) if isinstance(config, Mapping) else getattr(config, key, default)
+
         D, V, L, N = get("hidden_size"), get("vocab_size"), get("num_hidden_layers"), get("num_attention_heads")
         if None in (D, V, L, N):
             raise ValueError("the config needs hidden_size, vocab_size, num_hidden_layers and num_attention_heads.")

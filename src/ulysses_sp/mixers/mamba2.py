@@ -41,7 +41,12 @@ from ulysses_sp.comm.all_to_all import head_to_seq_out
 from ulysses_sp.comm.layout import HeadPlan
 from ulysses_sp.mixers.exchange import seq_to_head_parts
 from ulysses_sp.mixers.sequence import (
-    MixerContext, by_document, depthwise_causal_conv, document_cuts, runs_own_forward, zero_padding,
+    MixerContext,
+    by_document,
+    depthwise_causal_conv,
+    document_cuts,
+    runs_own_forward,
+    zero_padding,
 )
 
 MAMBA2_CLASSES = frozenset({"BambaMixer", "GraniteMoeHybridMambaLayer", "NemotronHMamba2Mixer"})

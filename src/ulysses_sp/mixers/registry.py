@@ -3,9 +3,9 @@
 A supported mixer module gets our forward as an instance attribute while SP is registered (its
 class, parameters, hooks and ``state_dict`` stay as they are) and gets its previous forward back on
 unregister (:func:`ulysses_sp.swaps.instance_forward`, as ``UlyssesSP.forward_loss`` swaps
-``lm_head``'s forward): an instance forward set before, such as Accelerate's hook wrapper, survives. Any other module that mixes tokens
-outside attention (a depthwise causal ``conv1d``, an SSM ``A_log``, a linear-attention class) is
-refused at setup: under SP it would see only its shard.
+``lm_head``'s forward): an instance forward set before, such as Accelerate's hook wrapper, survives.
+Any other module that mixes tokens outside attention (a depthwise causal ``conv1d``, an SSM
+``A_log``, a linear-attention class) is refused at setup: under SP it would see only its shard.
 """
 
 from __future__ import annotations

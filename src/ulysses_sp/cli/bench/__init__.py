@@ -36,7 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ring-size", type=int, default=2,
                         help="ring degree of ulysses_ring (a divisor of each --sp-sizes value; default 2)")
     parser.add_argument("--sp-sizes", nargs="+", type=int, default=[2], help="P values (default 2)")
-    parser.add_argument("--seq-lens", nargs="+", type=int, default=[1024, 2048], help="global S values (default 1024 2048)")
+    parser.add_argument("--seq-lens", nargs="+", type=int, default=[1024, 2048],
+                        help="global S values (default 1024 2048)")
     parser.add_argument("--head-chunks", type=int, default=2, help="head chunks of ulysses_chunked (default 2)")
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first (default 1, min 1)")
@@ -66,7 +67,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="skip configurations predicted to end later than this many seconds after the start "
                         "(default 270; 0 = no limit)")
     parser.add_argument("--json", metavar="FILE", default="ulysses_sp_bench.json",
-                        help="records (a JSON list), rewritten after every configuration (default ulysses_sp_bench.json)")
+                        help="records (a JSON list), rewritten after every configuration "
+                        "(default ulysses_sp_bench.json)")
     parser.add_argument("--markdown", metavar="FILE", help="the markdown report, rewritten after every configuration")
     parser.add_argument("--plots", metavar="DIR", help="write step_time.png, peak_memory.png, bytes_sent.png here")
 
@@ -173,7 +175,10 @@ def _run_task(kind: str, jobs: list, preload: tuple[str, ...], budget) -> list[d
     from ulysses_sp.cli.bench.runner import run_job
 
     start = time.monotonic()
-    new = [run_job(jobs[0], preload=preload)] if kind == "isolated" else run_paired(jobs, jobs[0].repeats, preload=preload)
+    if kind == "isolated":
+        new = [run_job(jobs[0], preload=preload)]
+    else:
+        new = run_paired(jobs, jobs[0].repeats, preload=preload)
     steps = (jobs[0].warmup + 1 + jobs[0].repeats) * len(jobs)
     budget.measured(jobs[0].seq_len, max(r["median_step_seconds"] for r in new), steps, time.monotonic() - start)
     return new
@@ -193,7 +198,8 @@ def _attention_memory(args: argparse.Namespace, cuda: bool, gpus: int, budget, s
                 skipped.append(f"attention memory P={P} S={S}: {why}")
                 continue
             new = attention_memory(P, S, sorted({1, args.head_chunks}), B=args.batch_size, N=args.heads,
-                                   K=args.kv_heads, H=args.head_dim, dtype=args.dtype or ("bfloat16" if cuda else "float32"),
+                                   K=args.kv_heads, H=args.head_dim,
+                                   dtype=args.dtype or ("bfloat16" if cuda else "float32"),
                                    device_type="cuda" if cuda else "cpu")
             print(f"[attention memory] P={P} S={S}: " + ", ".join(
                 f"C={r['head_chunks']} {r['peak_attention_bytes'] / 2**20:.1f} MiB" for r in new), flush=True)

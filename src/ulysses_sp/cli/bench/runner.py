@@ -62,7 +62,8 @@ class Job:
         """``attention_comm`` of this job (``ulysses_chunked`` is ``ulysses`` with head chunks)."""
         spec, chunked = self.spec, self.system == "ulysses_chunked"
         itemsize = torch.empty(0, dtype=getattr(torch, self.dtype)).element_size()
-        ring = self.ring_size if self.system == "ulysses_ring" else auto_ring_size(self.sp_size, spec.num_attention_heads)
+        ring = (self.ring_size if self.system == "ulysses_ring"
+                else auto_ring_size(self.sp_size, spec.num_attention_heads))
         if self.system == "ulysses_ring" or (self.system == "ulysses" and ring > 1):  # ulysses: automatic when P > N
             return attention_comm("ulysses_ring", self.sp_size, self.batch_size, self.seq_len, spec.num_attention_heads,
                                   spec.num_key_value_heads, spec.head_dim, itemsize, rank, ring_size=ring)
@@ -182,7 +183,8 @@ def _worker(rank: int, world: int, job: Job, out_path: str) -> None:
         "formula_collectives_per_layer_backward": model_comm.collectives_backward,
         "formula": model_comm.text,
         "loss": losses[0], "final_loss": losses[-1], "num_layers": step.num_layers,
-        "dtype": job.dtype, "attn_implementation": job.attn, "backend": job.backend if world > 1 else "none", "device": str(device),
+        "dtype": job.dtype, "attn_implementation": job.attn, "backend": job.backend if world > 1 else "none",
+        "device": str(device),
         "model": asdict(spec), "num_params": sum(p.numel() for p in model.parameters()),
         "warmup": job.warmup, "repeats": job.repeats, "machine": machine(world),
     }

@@ -122,7 +122,8 @@ def single_step(model, ids_BS: torch.Tensor, own_kernel_key: bool = False) -> St
 
 def ours_step(model, ids_BS: torch.Tensor, mesh, counter: CommCounter, backend: str, head_chunks: int = 1,
               ring_size: int | None = None) -> Step:
-    """``UlyssesSP`` with ``UlyssesSPConfig(sp_backend=backend, sp_head_chunks=head_chunks, sp_ring_size=ring_size)``."""
+    """``UlyssesSP`` with
+    ``UlyssesSPConfig(sp_backend=backend, sp_head_chunks=head_chunks, sp_ring_size=ring_size)``."""
     from ulysses_sp import UlyssesSP, UlyssesSPConfig, global_num_items, reported_loss
 
     config = UlyssesSPConfig(sp_size=mesh.sp_size, sp_backend=backend, sp_head_chunks=head_chunks,

@@ -104,7 +104,8 @@ def _noise_lines(c) -> list[str]:
         f"    loss: reference {n.loss_ref:.2e}, SP {n.loss_sp:.2e} rel; "
         f"{'ok' if n.loss_ok else 'MISMATCH'} when SP <= {NOISE_FACTOR:g} x reference + {NOISE_SLACK * 0.1:g}",
         f"    grads: worst {n.grad_worst_name}: reference {n.grad_ref:.2e}, SP {n.grad_sp:.2e} rel; "
-        f"{'ok' if n.grads_ok else 'MISMATCH'} when SP <= {NOISE_FACTOR:g} x reference + {NOISE_SLACK:g} for every tensor",
+        f"{'ok' if n.grads_ok else 'MISMATCH'} when SP <= {NOISE_FACTOR:g} x reference + {NOISE_SLACK:g} "
+        "for every tensor",
     ]
 
 

@@ -30,8 +30,17 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from ulysses_sp import (
-    IGNORE_INDEX, GlobalMask, SPMesh, UlyssesSP, UlyssesSPConfig, check_model_support, feed_global_length,
-    global_num_items, local_backend, reported_loss, spawn,
+    IGNORE_INDEX,
+    GlobalMask,
+    SPMesh,
+    UlyssesSP,
+    UlyssesSPConfig,
+    check_model_support,
+    feed_global_length,
+    global_num_items,
+    local_backend,
+    reported_loss,
+    spawn,
 )
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -527,5 +536,5 @@ def run_check(opts: CheckOptions) -> CheckReport:
     if opts.dtype != "float32":  # the truth both bf16 runs round away from: one process in fp32
         truth = reference_step(load_model(replace(opts, dtype="float32"), device), batch)
         comparison.noise = noise_floor(truth, ref, sp)
-    return CheckReport(opts, model_class, num_params, kernel, _backend_label(opts.sp_size, opts.device), batch, comparison,
-                       ref.seconds, sp.seconds)
+    backend = _backend_label(opts.sp_size, opts.device)
+    return CheckReport(opts, model_class, num_params, kernel, backend, batch, comparison, ref.seconds, sp.seconds)

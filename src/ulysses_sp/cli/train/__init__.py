@@ -101,14 +101,16 @@ def format_summary(summary: dict, output_dir) -> str:
                      + ", ".join(f"{m / 2**30:.2f}" for m in final["peak_memory_bytes_per_rank"]) + " GiB")
     if summary.get("final_eval"):
         evals = {k: v for k, v in summary["final_eval"].items() if k.endswith("_loss")}
-        lines.append("  " + ", ".join(f"{k} {v:.4f}" for k, v in evals.items()) + f" (step {summary['final_eval']['step']})")
+        lines.append("  " + ", ".join(f"{k} {v:.4f}" for k, v in evals.items())
+                     + f" (step {summary['final_eval']['step']})")
     if summary.get("data"):
         d = summary["data"]
-        lines.append(f"  data: {d['documents']} documents, {d['tokens_in_data']} tokens; {d['tokens_per_epoch']} tokens "
-                     "trained per epoch")
+        lines.append(f"  data: {d['documents']} documents, {d['tokens_in_data']} tokens; "
+                     f"{d['tokens_per_epoch']} tokens trained per epoch")
     if "accuracy" in final:
         chance = summary.get("chance_accuracy")
-        lines.append(f"  {summary.get('task') or 'copy'}-task accuracy {first['accuracy']:.3f} -> {final['accuracy']:.3f}"
+        lines.append(f"  {summary.get('task') or 'copy'}-task accuracy "
+                     f"{first['accuracy']:.3f} -> {final['accuracy']:.3f}"
                      + (f" (chance {chance:.3f})" if chance is not None else " (answer tokens of held-out rows)"))
     if summary.get("passkey"):
         first, final = summary["passkey"]["first"], summary["passkey"]["final"]

@@ -52,7 +52,8 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 
 @torch.no_grad()
-def answer_accuracy(model: torch.nn.Module, rows: Mapping[str, torch.Tensor], ulysses: Any, batch_size: int = 8) -> float:
+def answer_accuracy(model: torch.nn.Module, rows: Mapping[str, torch.Tensor], ulysses: Any,
+                    batch_size: int = 8) -> float:
     """Fraction of answer tokens (``labels != -100``) the model predicts exactly, under SP.
 
     Args:

@@ -145,8 +145,8 @@ class ModelDataArguments:
                                                                                          "line"]})
     completion_only_loss: bool = field(default=True, metadata={"help": "prompt/completion data: loss on the "
                                                                "completion only"})
-    assistant_only_loss: bool = field(default=False, metadata={"help": "chat data: loss on the assistant turns only "
-                                                               "(the chat template marks them with {%% generation %%})"})
+    assistant_only_loss: bool = field(default=False, metadata={
+        "help": "chat data: loss on the assistant turns only (the chat template marks them with {%% generation %%})"})
     eval_dataset: list[str] | None = field(default=None, metadata={"help": "held-out data (same formats as "
                                                                    "--dataset), evaluated under SP"})
     eval_split: float | None = field(default=None, metadata={"help": "hold out this fraction of --dataset's "
@@ -177,7 +177,8 @@ class ModelDataArguments:
                                                                     "--passkey-filler, else built-in)"})
     hidden_size: int = field(default=64, metadata={"help": "embedded model: hidden size"})
     num_layers: int = field(default=2, metadata={"help": "embedded model: decoder layers"})
-    num_heads: int = field(default=4, metadata={"help": "embedded model: attention heads (fewer than --sp-size: Ulysses x ring)"})
+    num_heads: int = field(default=4, metadata={
+        "help": "embedded model: attention heads (fewer than --sp-size: Ulysses x ring)"})
     overwrite_output_dir: bool = field(default=False, metadata={"help": "replace a non-empty --output-dir"})
     rope_scaling: str | None = field(default=None, metadata={
         "help": "extend the model past its pretrained length: transformers' rope_type, written into the saved "
@@ -244,8 +245,8 @@ def build_parser(defaults: dict[str, Any] | None = None):
     from transformers import HfArgumentParser, TrainingArguments
 
     parser = HfArgumentParser((ModelDataArguments, SPArguments, LaunchArguments, TrainingArguments),
-                              prog="ulysses-sp train", description="Train a causal LM with Ulysses SP. Options may also "
-                              "come from --config FILE (YAML or JSON); command-line options override the file.",
+                              prog="ulysses-sp train", description="Train a causal LM with Ulysses SP. Options may "
+                              "also come from --config FILE (YAML or JSON); command-line options override the file.",
                               allow_abbrev=False)  # --learning-rat must not silently mean --learning-rate
     parser.set_defaults(**(training_defaults([]) if defaults is None else defaults))
     return parser

@@ -8,9 +8,10 @@ character tokenizer, :func:`char_tokenizer`, saved with it)::
     QUESTION " what is the pass key? the pass key is"      ANSWER " 4721"
 
 ``labels`` are ``-100`` except on the answer tokens (unshifted, as transformers expects; a leading
-token that is only the space before the key is not scored), so the teacher-forced scores of ``ulysses_sp.answer_scores`` are those of the key alone. Filler is the
-user's text (a .txt file, or .jsonl / .json rows with a ``text`` field) or a built-in generator of
-random digit-free sentences (:func:`builtin_filler`); each row reads it from a random offset.
+token that is only the space before the key is not scored), so the teacher-forced scores of
+``ulysses_sp.answer_scores`` are those of the key alone. Filler is the user's text (a .txt file, or
+.jsonl / .json rows with a ``text`` field) or a built-in generator of random digit-free sentences
+(:func:`builtin_filler`); each row reads it from a random offset.
 """
 
 from __future__ import annotations

@@ -26,8 +26,13 @@ import torch.distributed as dist
 from ulysses_sp import close_world
 from ulysses_sp.cli.train import options
 from ulysses_sp.cli.train.rope_scaling import apply_rope_scaling
-from ulysses_sp.cli.train.stages import (StageCallback, checkpoint_config, checkpoint_stages, checkpoint_step,
-                                         stage_record)
+from ulysses_sp.cli.train.stages import (
+    StageCallback,
+    checkpoint_config,
+    checkpoint_stages,
+    checkpoint_step,
+    stage_record,
+)
 from ulysses_sp.cli.train.tasks import CopyTask, embedded_model_config
 from ulysses_sp.cli.train.watchdog import Heartbeat, is_timeout, timeout_message
 
