@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 from dist_helper import spawn
-from ulysses_sp import GlobalMask, SPMesh, UlyssesAttention
+from ulysses_sp import GlobalMask, RingAttention, SPMesh, UlyssesAttention
 
 
 class CollectiveLog:
@@ -106,9 +106,18 @@ def _bad_input_worker(rank, world):
         UlyssesAttention(mesh.sp_group)(*qkv(4), GlobalMask(9))  # S=9 is not 2 shards of 4
     with pytest.raises(ValueError, match="unknown attention kernel"):
         UlyssesAttention(mesh.sp_group, "sdpa2")
+    # the ring shares the prologue: the same mask message; a dtype or head mismatch raises on every rank
+    # (it once checked q/k/v dtypes on the local rank before the all-gather, so the other rank hung in it)
+    with pytest.raises(ValueError, match="pad the batch to a multiple of sp_size"):
+        RingAttention(mesh.sp_group)(*qkv(4), GlobalMask(9))
+    with pytest.raises(ValueError, match="one floating dtype"):
+        RingAttention(mesh.sp_group)(*qkv(4, torch.float32, kdtype=torch.float32 if rank else torch.bfloat16))
+    with pytest.raises(ValueError, match="N a multiple of K"):
+        RingAttention(mesh.sp_group)(torch.randn(B, 3, 4, H), *qkv(4)[1:])
     # after all of this the group still works
     o = UlyssesAttention(mesh.sp_group)(*qkv(4))
     assert o.shape == (B, 4, N, H)
+    assert RingAttention(mesh.sp_group)(*qkv(4)).shape == (B, 4, N, H)
 
 
 def test_bad_input_raises_on_every_rank_instead_of_hanging():

@@ -120,3 +120,19 @@ def test_irregular_local_grouping_is_detected():
     plan = HeadPlan(8, 2, 3)
     assert plan.q_ranges == ((0, 3), (3, 6), (6, 8))
     assert plan.local_group_size(0) == 3 and plan.local_group_size(1) is None and plan.local_group_size(2) == 2
+
+
+def test_the_exchanges_refuse_mixed_dtypes_with_one_message():
+    """Bug caught: a q/k/v (or mixer parts) buffer packed from tensors of different dtypes, which
+    ``torch.cat`` would silently promote; the fused exchange and the mixers' exchange give one message."""
+    from ulysses_sp.comm.checks import check_one_dtype
+
+    plan = HeadPlan(4, 2, 2)
+    q, k = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 3, 8)
+    with pytest.raises(ValueError, match=r"q, k and v must share one dtype for the fused exchange, got "
+                                         r"torch.float32, torch.float32, torch.bfloat16; cast them"):
+        layout.pack_qkv(q, k, k.bfloat16(), plan)
+    with pytest.raises(ValueError, match=r"the exchanged parts must share one dtype, got torch.float16, "
+                                         r"torch.float32; cast them"):
+        check_one_dtype("the exchanged parts", q.half(), k)
+    check_one_dtype("one tensor", q)  # nothing to disagree with

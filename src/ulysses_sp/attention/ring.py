@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from ulysses_sp.attention.contract import check_inputs_across_ranks
+from ulysses_sp.attention.contract import SPAttentionBackend
 from ulysses_sp.attention.masks import GlobalMask
 from ulysses_sp.comm.layout import zigzag_moves
 from ulysses_sp.torch_internals import flash_attention_cpu, flash_attention_cpu_backward
@@ -315,7 +315,7 @@ def _merge(o, lse, o_t, lse_t):
     return o * torch.exp(lse - safe)[..., None] + o_t * torch.exp(lse_t - safe)[..., None], new
 
 
-class RingAttention:
+class RingAttention(SPAttentionBackend):
     """Ring attention over a sequence sharded across ``sp_group``; same call contract as ``UlyssesAttention``.
 
     Args:
@@ -328,33 +328,22 @@ class RingAttention:
     softcapping and no attention dropout. Heads are never split, so any ``N``, ``K`` and ``P`` work.
     Per call: ``P-1`` k/v exchanges forward; ``P-1`` k/v plus ``P`` dk/dv (fp32) exchanges backward;
     balanced (zigzag) calls add one q|k|v and one output chunk exchange each way (``comm.cost``).
-    The first call checks with one small all-gather that all ranks pass the same shapes and dtype.
+    ``ring_size`` / ``ring_rank``: the ring group; ``sp_size = ring_size`` (the shards its call's mask
+    covers: segments of ``A * s`` tokens under Ulysses x ring; the size words: ``attention.contract``).
+    The call prologue (first-call check across ranks, default mask, mask length) is
+    :class:`~ulysses_sp.attention.contract.SPAttentionBackend`'s.
     """
 
     def __init__(self, sp_group: ProcessGroup | None, balance: bool = True) -> None:
         self.balance = balance
         self.ring = _Ring(sp_group)
-        self.sp_size = self.ring.size
-        self.sp_rank = self.ring.rank
-        self._validated = False
+        super().__init__(self.ring.group)
+        self.ring_size = self.sp_size = self.ring.size
+        self.ring_rank = self.sp_rank = self.ring.rank
 
-    def __call__(
-        self,
-        q_BNsH: torch.Tensor,
-        k_BKsH: torch.Tensor,
-        v_BKsH: torch.Tensor,
-        mask: GlobalMask | None = None,
-        *,
-        scaling: float | None = None,
-        sliding_window: int | None = None,
-        softcap: float | None = None,
-        dropout: float = 0.0,
-        sinks: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """``q (B,N,s,H)``, ``k (B,K,s,H)``, ``v (B,K,s,Hv)`` of my tokens -> ``o (B,s,N,Hv)``.
-
-        ``mask`` is the GLOBAL mask (length ``S = s * P``); ``None`` means plain causal.
-        """
+    def check_options(self, num_heads: int, *, softcap: float | None, dropout: float,
+                      sinks: torch.Tensor | None) -> None:
+        """Refuse attention sinks, logit softcapping and attention dropout (the block kernels have none)."""
         if sinks is not None:
             raise ValueError("RingAttention has no attention sinks; use sp_backend='ulysses' with "
                              "attn_implementation='eager' or 'flex_attention' for models with sinks (GPT-OSS).")
@@ -363,16 +352,14 @@ class RingAttention:
                 "RingAttention has no logit softcapping and no attention dropout; use UlyssesAttention with "
                 "'eager' / 'flex_attention' for softcapped models and set attention_dropout=0."
             )
-        if not self._validated:
-            self._validate(q_BNsH, k_BKsH, v_BKsH)
+
+    def attend(
+        self, q_BNsH: torch.Tensor, k_BKsH: torch.Tensor, v_BKsH: torch.Tensor, mask: GlobalMask, *,
+        scaling: float | None, sliding_window: int | None, softcap: float | None, dropout: float,
+        sinks: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """``q (B,N,s,H)``, ``k (B,K,s,H)``, ``v (B,K,s,Hv)`` of my tokens -> ``o (B,s,N,Hv)`` (checked inputs)."""
         s = q_BNsH.shape[2]
-        S = s * self.sp_size
-        mask = GlobalMask(S) if mask is None else mask
-        if mask.seq_len != S:
-            raise ValueError(
-                f"the mask covers {mask.seq_len} tokens but {self.sp_size} shards of {s} make {S}; every rank "
-                "must hold S/P tokens (shard batches with UlyssesSP.shard / ulysses_sp.shard_batch, which pads S)."
-            )
         scale = scaling if scaling is not None else 1.0 / math.sqrt(q_BNsH.shape[-1])
         q, k, v = q_BNsH.contiguous(), k_BKsH.contiguous(), v_BKsH.contiguous()
         zigzag = self.zigzag_applies(s, mask, sliding_window)
@@ -386,15 +373,3 @@ class RingAttention:
     def zigzag_applies(self, s: int, mask: GlobalMask, sliding_window: int | None) -> bool:
         """Whether a call with shard length ``s`` runs causally load-balanced (zigzag chunks)."""
         return self.balance and self.sp_size > 1 and s % 2 == 0 and mask.causal and sliding_window is None
-
-    def _validate(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        N, K = q.shape[1], k.shape[1]
-        if N % K or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2] or k.shape[:3] != v.shape[:3]:
-            raise ValueError(
-                f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: expected (B, N, s, H), (B, K, s, H), "
-                "(B, K, s, Hv) with N a multiple of K."
-            )
-        if not (q.dtype == k.dtype == v.dtype):
-            raise ValueError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}; cast them first.")
-        check_inputs_across_ranks(q, k, v, self.ring.group)
-        self._validated = True

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from ulysses_sp.attention.contract import check_inputs_across_ranks
+from ulysses_sp.attention.contract import SPAttentionBackend
 from ulysses_sp.attention.kernels import Kernel, get_kernel
 from ulysses_sp.attention.masks import GlobalMask
 from ulysses_sp.attention.ring import RingAttention
@@ -41,7 +41,7 @@ from ulysses_sp.comm.all_to_all import head_chunked_attention, head_to_seq_out, 
 from ulysses_sp.comm.layout import HeadChunk, HeadPlan
 
 
-class UlyssesAttention:
+class UlyssesAttention(SPAttentionBackend):
     """Attention over a sequence sharded across the ranks of ``sp_group``.
 
     Args:
@@ -57,12 +57,10 @@ class UlyssesAttention:
             kernels: causal, packed documents, padding, sliding window; no softcapping, no dropout).
             ``None`` (default): plain Ulysses.
 
-    ``sp_size`` is the whole sequence-parallel degree (``A * R``; ``A`` without a ring).
-    The first call checks, with one small all-gather, that every rank passes the same shapes and
-    dtype (a mismatch would otherwise crash or hang the all-to-all) and raises ``ValueError`` on
-    all ranks if not. Later calls trust their shapes: per-step consistency is checked once per
-    batch by the batch sharder, not per layer. Steady state: 2 collectives forward, 2 backward
-    (2C and 2C with C head chunks).
+    ``sp_size = a2a_size * ring_size`` (``A * R``; ``A`` without a ring; the size words:
+    ``attention.contract``). The call prologue (first-call check across ranks, default mask, mask
+    length) is :class:`~ulysses_sp.attention.contract.SPAttentionBackend`'s. Steady state:
+    2 collectives forward, 2 backward (2C and 2C with C head chunks).
     """
 
     def __init__(
@@ -71,18 +69,20 @@ class UlyssesAttention:
     ) -> None:
         if isinstance(head_chunks, bool) or not isinstance(head_chunks, int) or head_chunks < 1:
             raise ValueError(f"head_chunks must be a positive integer, got {head_chunks!r}.")
-        self.sp_group = sp_group
+        super().__init__(sp_group)
+        self.sp_group = sp_group  # the all-to-all group
         self.a2a_size = 1 if sp_group is None else dist.get_world_size(sp_group)
-        self.sp_rank = 0 if sp_group is None else dist.get_rank(sp_group)  # rank in the all-to-all group
+        self.a2a_rank = 0 if sp_group is None else dist.get_rank(sp_group)
         self.ring = RingAttention(ring_group) if ring_group is not None else None
-        self.ring_size = 1 if self.ring is None else self.ring.sp_size
-        self.sp_size = self.a2a_size * self.ring_size
+        self.ring_size = 1 if self.ring is None else self.ring.ring_size
+        self.ring_rank = 0 if self.ring is None else self.ring.ring_rank
+        self.sp_size = self.a2a_size * self.ring_size  # the size words: attention.contract
+        self.sp_rank = self.ring_rank * self.a2a_size + self.a2a_rank
         self.kernel: Kernel = self.ring if self.ring is not None else (
             get_kernel(kernel) if isinstance(kernel, str) else kernel)
         self.head_chunks = head_chunks
         self._plans: dict[tuple[int, int], HeadPlan] = {}
         self._chunks: dict[tuple[int, int], tuple[HeadChunk, ...]] = {}
-        self._validated = False
 
     def plan(self, num_heads: int, num_kv_heads: int) -> HeadPlan:
         """The head split for ``num_heads`` query and ``num_kv_heads`` kv heads (validated, cached)."""
@@ -91,64 +91,40 @@ class UlyssesAttention:
             self._plans[key] = HeadPlan(num_heads, num_kv_heads, self.a2a_size)
         return self._plans[key]
 
-    def __call__(
-        self,
-        q_BNsH: torch.Tensor,
-        k_BKsH: torch.Tensor,
-        v_BKsH: torch.Tensor,
-        mask: GlobalMask | None = None,
-        *,
-        scaling: float | None = None,
-        sliding_window: int | None = None,
-        softcap: float | None = None,
-        dropout: float = 0.0,
-        sinks: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Attention of this rank's query tokens over the whole sequence.
-
-        Args:
-            q_BNsH: ``(B, N, s, H)`` queries of this rank's tokens ``[r*s, (r+1)*s)``.
-            k_BKsH, v_BKsH: ``(B, K, s, H)`` keys and ``(B, K, s, Hv)`` values of the same tokens.
-            mask: the GLOBAL mask (length ``S = s * P``); ``None`` means plain causal.
-            scaling, sliding_window, softcap, dropout: passed to the kernel unchanged.
-            sinks: ``(N,)`` per-head attention-sink logits of ALL heads (GPT-OSS style) or ``None``;
-                the kernel gets this rank's heads' slice, so each sink's gradient comes from the one
-                rank that holds its head (the gradient all-reduce over the group sums it).
-
-        Returns:
-            ``(B, s, N, Hv)``: attention output for this rank's tokens, all heads.
-        """
-        if not self._validated:
-            check_inputs_across_ranks(q_BNsH, k_BKsH, v_BKsH, self.sp_group)
-            self._validated = True
-        B, N, s, _ = q_BNsH.shape
-        plan = self.plan(N, k_BKsH.shape[1])
-        S = s * self.sp_size
-        if mask is None:
-            mask = GlobalMask(S)
-        if mask.seq_len != S:
-            raise ValueError(
-                f"the mask covers {mask.seq_len} tokens but {self.sp_size} shards of {s} make {S}. "
-                f"Every rank must hold S/P tokens: pad the batch to a multiple of sp_size with "
-                "UlyssesSP.shard / ulysses_sp.shard_batch (it pads and ignores the padded labels)."
-            )
-        kw = {"scaling": scaling, "sliding_window": sliding_window, "softcap": softcap, "dropout": dropout}
+    def check_options(self, num_heads: int, *, softcap: float | None, dropout: float,
+                      sinks: torch.Tensor | None) -> None:
+        """Refuse sinks under Ulysses x ring and sinks of another head count (softcap, dropout: the kernel's)."""
         if sinks is not None:
             if self.ring is not None:
                 raise ValueError("attention sinks cannot run under Ulysses x ring (sp_size > num_attention_heads "
                                  "or sp_ring_size > 1): use sp_size <= num_attention_heads and sp_ring_size=None.")
-            if sinks.shape != (N,):
-                raise ValueError(f"sinks must hold one logit per query head, shape ({N},); got {tuple(sinks.shape)}.")
+            if sinks.shape != (num_heads,):
+                raise ValueError(f"sinks must hold one logit per query head, shape ({num_heads},); "
+                                 f"got {tuple(sinks.shape)}.")
+
+    def attend(
+        self, q_BNsH: torch.Tensor, k_BKsH: torch.Tensor, v_BKsH: torch.Tensor, mask: GlobalMask, *,
+        scaling: float | None, sliding_window: int | None, softcap: float | None, dropout: float,
+        sinks: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Steps 1-4 of the module docstring on checked inputs (``SPAttentionBackend.__call__``).
+
+        ``sinks`` ``(N,)``: the kernel gets this rank's heads' slice, so each sink's gradient comes
+        from the one rank that holds its head (the gradient all-reduce over the group sums it).
+        """
+        N = q_BNsH.shape[1]
+        plan = self.plan(N, k_BKsH.shape[1])
+        kw = {"scaling": scaling, "sliding_window": sliding_window, "softcap": softcap, "dropout": dropout}
 
         params = () if sinks is None else (sinks,)
 
         def attend(q, k, v, part: HeadPlan | HeadChunk, params: tuple[torch.Tensor, ...] = params) -> torch.Tensor:
-            if part.local_group_size(self.sp_rank) is None:  # 2. irregular kv grouping: one kv per q head
-                index = part.local_kv_index(self.sp_rank).to(k.device)
+            if part.local_group_size(self.a2a_rank) is None:  # 2. irregular kv grouping: one kv per q head
+                index = part.local_kv_index(self.a2a_rank).to(k.device)
                 k, v = k.index_select(1, index), v.index_select(1, index)
             if not params:
                 return self.kernel(q, k, v, mask, **kw)  # 3.
-            qa, qb = part.q_ranges[self.sp_rank]
+            qa, qb = part.q_ranges[self.a2a_rank]
             return self.kernel(q, k, v, mask, sinks=params[0][qa:qb], **kw)  # 3. this rank's heads' sinks
 
         if self.a2a_size > 1 and plan.num_chunks(self.head_chunks) > 1:

@@ -34,6 +34,8 @@ from functools import cached_property
 
 import torch
 
+from ulysses_sp.comm.checks import check_one_dtype
+
 
 @dataclass(frozen=True)
 class HeadPlan:
@@ -213,11 +215,7 @@ class HeadChunk:
 
 
 def _check_qkv(q_BNsH: torch.Tensor, k_BKsH: torch.Tensor, v_BKsH: torch.Tensor, plan: HeadPlan | HeadChunk) -> None:
-    if not (q_BNsH.dtype == k_BKsH.dtype == v_BKsH.dtype):
-        raise ValueError(
-            f"q, k and v must share one dtype for the fused exchange, got {q_BNsH.dtype}, "
-            f"{k_BKsH.dtype}, {v_BKsH.dtype}; cast them (e.g. under one autocast) first."
-        )
+    check_one_dtype("q, k and v", q_BNsH, k_BKsH, v_BKsH, purpose=" for the fused exchange")
     B, N, s, H = q_BNsH.shape
     if N != plan.num_heads or k_BKsH.shape[1] != plan.num_kv_heads:
         raise ValueError(

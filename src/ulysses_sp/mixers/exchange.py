@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from ulysses_sp.comm.checks import check_one_dtype
+
 Ranges = tuple[tuple[int, int], ...]
 
 
@@ -86,7 +88,5 @@ def seq_to_head_parts(
     """
     if group is None or len(ranges[0]) == 1:
         return tuple(parts_BshF)
-    dtypes = {t.dtype for t in parts_BshF}
-    if len(dtypes) != 1:
-        raise ValueError(f"the exchanged parts must share one dtype, got {sorted(map(str, dtypes))}.")
+    check_one_dtype("the exchanged parts", *parts_BshF)
     return _SeqToHeadParts.apply(ranges, group, *parts_BshF)
