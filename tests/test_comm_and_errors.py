@@ -131,6 +131,11 @@ def _mesh_errors_worker(rank, world):
             SPMesh.from_world(sp_size)
     mesh = SPMesh.from_world(3)
     assert (mesh.dp_size, mesh.sp_size, mesh.sp_rank, mesh.dp_rank) == (1, 3, rank, 0)
+    from ulysses_sp.integrations.setup_checks import ensure_process_group
+
+    ensure_process_group(3)  # already initialised with 3 ranks: nothing to do
+    with pytest.raises(ValueError, match="torch.distributed has 3 ranks but the Accelerator 2"):
+        ensure_process_group(2, who="the Accelerator")
 
 
 def _mesh_layout_worker(rank, world):

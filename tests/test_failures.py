@@ -313,6 +313,28 @@ def test_demo_bad_sizes_exit_2(argv, capsys):
     assert "error:" in capsys.readouterr().err
 
 
+def test_accelerate_parallelism_and_a_missing_world_are_refused_by_one_check():
+    """Bug caught: the Trainer and the Accelerate adapters each refusing Accelerate's own parallelism
+    (and making the one-process world) with a copy of their own that drifts: every size that starts
+    Accelerate's parallelism is refused, with the fix, and a world of 2 without a launcher too."""
+    import torch.distributed as dist
+    from accelerate.parallelism_config import ParallelismConfig
+
+    from ulysses_sp.integrations.setup_checks import ensure_process_group, refuse_accelerate_parallelism
+
+    for sizes in (dict(sp_size=2, sp_backend="deepspeed"), dict(tp_size=2), dict(cp_size=2), dict(dp_shard_size=2)):
+        used = {k: v for k, v in sizes.items() if k != "sp_backend"}
+        with pytest.raises(ValueError, match=f"the Accelerator's ParallelismConfig sets {used}.*remove "
+                                             "parallelism_config from the accelerate config"):
+            refuse_accelerate_parallelism(ParallelismConfig(**sizes), "the Accelerator's ParallelismConfig",
+                                          "the accelerate config", "UlyssesAccelerate(...)")
+    refuse_accelerate_parallelism(ParallelismConfig(), "x", "y", "z")  # all sizes 1: nothing to refuse
+    refuse_accelerate_parallelism(None, "x", "y", "z")
+    assert not dist.is_initialized()
+    with pytest.raises(ValueError, match="not initialised for a world of 2; launch with torchrun"):
+        ensure_process_group(2)
+
+
 def test_trainer_refuses_leftover_parallelism_config(tmp_path):
     """Bug caught: TrainingArguments(parallelism_config=sp_size 2) starting Accelerate's DeepSpeed SP
     beside ours and crashing there; refused before the Trainer is built, naming the fix."""

@@ -44,6 +44,7 @@ from torch.utils.data import (
 )
 
 from ulysses_sp.config import UlyssesSPConfig
+from ulysses_sp.integrations.setup_checks import ensure_process_group, refuse_accelerate_parallelism
 from ulysses_sp.integrations.transformers import UlyssesSP
 from ulysses_sp.loss import global_num_items, reported_loss
 
@@ -241,14 +242,8 @@ class UlyssesAccelerate:
             )
         self.config.validate(accelerator.num_processes)
         self._check_accelerator()
-        if not dist.is_initialized():  # one process without a launcher: a one-rank world
-            backend = "nccl" if accelerator.device.type == "cuda" else "gloo"
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-        if dist.get_world_size() != accelerator.num_processes:
-            raise ValueError(
-                f"torch.distributed has {dist.get_world_size()} ranks but the Accelerator {accelerator.num_processes}; "
-                "launch with accelerate launch / torchrun so that both agree."
-            )
+        ensure_process_group(accelerator.num_processes, "nccl" if accelerator.device.type == "cuda" else "gloo",
+                             "the Accelerator")
         handler = getattr(accelerator, "init_handler", None)  # InitProcessGroupKwargs(timeout=...), if given
         timeout = getattr(handler, "timeout", None)
         self.mesh = self.config.build_mesh("cuda" if accelerator.device.type == "cuda" else "cpu",
@@ -265,14 +260,9 @@ class UlyssesAccelerate:
                 "config with distributed_type MULTI_GPU (or MULTI_CPU) / NO. For ZeRO or FSDP2 use the plain "
                 "PyTorch loop (README) - DeepSpeed with sp_size would also start Accelerate's own ALST SP."
             )
-        pc = self.accelerator.parallelism_config
-        for key in ("sp_size", "tp_size", "cp_size", "dp_shard_size"):
-            if pc is not None and (getattr(pc, key, 1) or 1) > 1:
-                raise ValueError(
-                    f"the Accelerator's ParallelismConfig has {key}={getattr(pc, key)} (Accelerate's own parallelism); "
-                    "with ulysses-sp remove parallelism_config from the accelerate config / Accelerator(...) and pass "
-                    "the SP settings to UlyssesAccelerate(accelerator, UlyssesSPConfig(sp_size=...))."
-                )
+        refuse_accelerate_parallelism(self.accelerator.parallelism_config, "the Accelerator's ParallelismConfig",
+                                      "the accelerate config / Accelerator(...)",
+                                      "UlyssesAccelerate(accelerator, UlyssesSPConfig(sp_size=...))")
         if self.config.offload_activations:
             raise ValueError("offload_activations is not supported by UlyssesAccelerate; set it to False.")
 

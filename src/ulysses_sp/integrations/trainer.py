@@ -35,6 +35,7 @@ from transformers import Trainer
 from ulysses_sp.comm.mesh import SPMesh
 from ulysses_sp.config import UlyssesSPConfig
 from ulysses_sp.data import ShardedBatch
+from ulysses_sp.integrations.setup_checks import ensure_process_group, refuse_accelerate_parallelism
 from ulysses_sp.integrations.trainer_internals import count_input_tokens, prepare_inputs, train_batch_size
 from ulysses_sp.integrations.transformers import UlyssesSP
 from ulysses_sp.loss import global_num_items, reported_loss
@@ -69,10 +70,13 @@ class UlyssesTrainerMixin:
         self.sp_config = sp_config if sp_config is not None else UlyssesSPConfig()
         if not isinstance(self.sp_config, UlyssesSPConfig):
             raise ValueError(f"sp_config must be a UlyssesSPConfig, got {type(self.sp_config).__name__}.")
-        _refuse_accelerate_parallelism(kwargs.get("args", args[1] if len(args) > 1 else None))
+        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        refuse_accelerate_parallelism(getattr(training_args, "parallelism_config", None),
+                                      "TrainingArguments.parallelism_config", "the TrainingArguments",
+                                      "UlyssesTrainer(..., sp_config=UlyssesSPConfig(sp_size=...))")
         super().__init__(*args, **kwargs)
         self._check_trainer_settings()
-        _ensure_process_group(self.args.world_size)
+        ensure_process_group(self.args.world_size, "gloo", "TrainingArguments.world_size is")
         self.sp_config.validate(self.args.world_size)
         self.sp_mesh: SPMesh = self.sp_config.build_mesh(timeout_s=self.args.ddp_timeout)
         # Trainer (re)enables gradient checkpointing in train(), replacing the layers' checkpoint
@@ -262,29 +266,6 @@ class UlyssesTrainerMixin:
 
 class UlyssesTrainer(UlyssesTrainerMixin, Trainer):
     """``transformers.Trainer`` with Ulysses sequence parallelism (see :class:`UlyssesTrainerMixin`)."""
-
-
-def _refuse_accelerate_parallelism(training_args: Any) -> None:
-    """Refuse ``TrainingArguments(parallelism_config=...)`` with SP / TP / CP / FSDP sizes: the Trainer would
-    start Accelerate's own parallelism (DeepSpeed ALST for sp_size) next to ours, before any check of ours."""
-    pc = getattr(training_args, "parallelism_config", None)
-    sizes = {k: getattr(pc, k, 1) or 1 for k in ("sp_size", "tp_size", "cp_size", "dp_shard_size")} if pc else {}
-    used = {k: v for k, v in sizes.items() if v > 1}
-    if used:
-        raise ValueError(
-            f"TrainingArguments.parallelism_config sets {used} (Accelerate's own parallelism; sp_size would start "
-            "DeepSpeed's ALST sequence parallelism beside ulysses-sp): remove parallelism_config from the "
-            "TrainingArguments and pass the SP settings as UlyssesTrainer(..., sp_config=UlyssesSPConfig(sp_size=...))."
-        )
-
-
-def _ensure_process_group(world_size: int) -> None:
-    """A one-process gloo group when the script runs without a launcher (``python train.py``)."""
-    if dist.is_initialized():
-        return
-    if world_size != 1:
-        raise ValueError(f"torch.distributed is not initialised for a world of {world_size}; launch with torchrun.")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 
 
 def _dataset_has_column(dataset: Any, name: str) -> bool:
