@@ -183,3 +183,27 @@ def test_bf16_check_of_a_saved_model_matches_with_the_fp32_comparison(llama_dir,
     out = capsys.readouterr().out
     assert code == 0 and "RESULT: MATCH" in out, out
     assert "bf16 against one fp32 process" in out and "x reference" in out
+
+
+def test_check_flags_come_from_the_config():
+    """Bug caught: ``check`` re-declaring ``UlyssesSPConfig`` fields by hand, so a field's default,
+    type or help changed in the config does not reach the command (``train`` derives all of its)."""
+    import argparse
+    import dataclasses
+
+    from ulysses_sp import UlyssesSPConfig
+    from ulysses_sp.cli.check import CONFIG_FLAGS, add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    actions = {a.dest: a for a in parser._actions}
+    fields = {f.name: f for f in dataclasses.fields(UlyssesSPConfig)}
+    assert len(CONFIG_FLAGS) == 6
+    for name in CONFIG_FLAGS:
+        action, field = actions[name], fields[name]
+        assert action.option_strings == ["--" + name.replace("_", "-")]
+        assert action.help.startswith(field.metadata["help"]), name
+        assert action.required or action.default == field.default, name
+    assert actions["sp_size"].required
+    args = parser.parse_args(["m", "--sp-size", "2", "--sp-head-chunks", "3", "--offload-activations"])
+    assert (args.sp_size, args.sp_head_chunks, args.offload_activations, args.tiled_mlp_tokens) == (2, 3, True, None)

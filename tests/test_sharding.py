@@ -6,9 +6,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from ulysses_sp import IGNORE_INDEX
 from ulysses_sp.data import UlyssesDataLoader, shard_batch
 
-IGNORE = -100
+IGNORE = -100  # the value users' data carries (transformers' collators); independent of the constant under test
+
+
+def test_ignore_index_is_the_value_users_write():
+    """Bug caught: ``IGNORE_INDEX`` (the one constant the library and the commands use) drifting from
+    the -100 that transformers' collators write and ``torch.nn.functional.cross_entropy`` skips."""
+    assert IGNORE_INDEX == IGNORE == torch.nn.CrossEntropyLoss().ignore_index
 
 
 def _shards(batch: dict, sp_size: int, **kw) -> list[dict]:

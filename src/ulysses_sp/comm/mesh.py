@@ -41,7 +41,8 @@ class SPMesh:
         """Split the initialised world into ``dp = world // sp_size`` groups of ``sp_size`` ranks.
 
         Args:
-            sp_size: ranks that share one sequence (the Ulysses degree), ``1 <= sp_size <= world``.
+            sp_size: ranks that share one sequence (the whole SP degree, all-to-all x ring; the size
+                words: ``attention.contract``), ``1 <= sp_size <= world``.
             device_type: ``"cuda"`` or ``"cpu"``; default: ``"cuda"`` for an NCCL world, else ``"cpu"``.
             timeout_s: how long a collective of the SP / DP groups waits for a missing rank before
                 it raises (default ``DEFAULT_TIMEOUT_S``, 600 s; the Trainer passes ``ddp_timeout``).

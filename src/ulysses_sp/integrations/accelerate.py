@@ -159,7 +159,7 @@ class UlyssesAccelerateLoader:
     continues where the saved one stopped, with the same shuffling.
     """
 
-    def __init__(self, dataloader: DataLoader, ulysses: UlyssesAccelerate, seed: int = 0) -> None:
+    def __init__(self, dataloader: DataLoader, adapter: UlyssesAccelerate, seed: int = 0) -> None:
         if isinstance(dataloader.dataset, IterableDataset) or dataloader.batch_size is None:
             raise ValueError(
                 "sp.prepare needs a DataLoader over a map-style dataset with batch_size set, so that it can "
@@ -173,12 +173,12 @@ class UlyssesAccelerateLoader:
                 "(ulysses_sp.data) and call sp.shard(batch) (its token count is one batch's: "
                 "gradient_accumulation_steps=1 only)."
             )
-        self.ulysses, self.dataloader = ulysses, dataloader
-        mesh = ulysses.mesh
+        self.adapter, self.dataloader = adapter, dataloader
+        mesh = adapter.mesh
         self.sampler = DistributedSampler(dataloader.dataset, num_replicas=mesh.dp_size, rank=mesh.dp_rank,
                                           shuffle=isinstance(dataloader.sampler, RandomSampler), seed=seed)
         self.batch_sampler = BatchSampler(self.sampler, dataloader.batch_size, dataloader.drop_last)
-        self.accumulation_steps = ulysses.accumulation_steps
+        self.accumulation_steps = adapter.accumulation_steps
         if len(self.batch_sampler) % self.accumulation_steps:
             raise ValueError(
                 f"{len(self.batch_sampler)} batches per epoch per replica is not a multiple of "
@@ -206,7 +206,7 @@ class UlyssesAccelerateLoader:
         batches = iter(loader)
         first = True
         while group := list(itertools.islice(batches, self.accumulation_steps)):
-            shards = [self.ulysses.shard_batch(batch, check_same=first) for batch in group]
+            shards = [self.adapter.shard_batch(batch, check_same=first) for batch in group]
             first = False
             num_items = global_num_items([s["shift_labels"] for s in shards])
             for shard in shards:
@@ -250,7 +250,7 @@ class UlyssesAccelerate:
                                            timeout_s=timeout.total_seconds() if timeout is not None else None)
         self.accumulation_steps = accelerator.gradient_accumulation_steps
         self.grad_average_world = dist.get_world_size() * self.accumulation_steps
-        self.sp: UlyssesSP | None = None
+        self.ulysses: UlyssesSP | None = None  # the registered UlyssesSP (as UlyssesTrainer.ulysses)
 
     def _check_accelerator(self) -> None:
         kind = self.accelerator.distributed_type
@@ -277,7 +277,7 @@ class UlyssesAccelerate:
         """
         is_loader = [isinstance(o, DataLoader) for o in objects]
         loaders = [UlyssesAccelerateLoader(o, self, seed=seed) for o in objects if isinstance(o, DataLoader)]
-        self.sp = UlyssesSP(model, self.mesh, self.config).register()
+        self.ulysses = UlyssesSP(model, self.mesh, self.config).register()
         others = [o for o, dl in zip(objects, is_loader) if not dl]
         prepared = self.accelerator.prepare(model, *others)
         rest, wrapped = iter(prepared if others else [prepared]), iter(loaders)
@@ -301,18 +301,18 @@ class UlyssesAccelerate:
 
     def shard_batch(self, batch: Mapping[str, Any], check_same: bool = True) -> dict[str, Any]:
         """``UlyssesSP.shard`` of ``batch`` moved to the accelerator's device (no token count added)."""
-        if self.sp is None:
+        if self.ulysses is None:
             raise ValueError("call sp.prepare(model, ...) before sharding batches.")
         device = self.accelerator.device
         batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-        return dict(self.sp.shard(batch, check_same=check_same))
+        return dict(self.ulysses.shard(batch, check_same=check_same))
 
     def loss_for(self, model: torch.nn.Module, shard: Mapping[str, Any]) -> torch.Tensor:
         """Forward the prepared ``model`` on a shard and return this rank's loss for
         ``accelerator.backward`` (tiled lm_head + CE when ``config.tiled_loss_tokens`` is set)."""
-        if self.sp is None or "num_items_in_batch" not in shard:
+        if self.ulysses is None or "num_items_in_batch" not in shard:
             raise ValueError("loss_for needs a shard from a loader returned by sp.prepare(...) or sp.shard(batch).")
-        return self.sp.forward_loss(model, shard, shard["num_items_in_batch"],
+        return self.ulysses.forward_loss(model, shard, shard["num_items_in_batch"],
                                     grad_average_world=self.grad_average_world)
 
     def reported_loss(self, loss: torch.Tensor) -> torch.Tensor:

@@ -17,16 +17,21 @@ if TYPE_CHECKING:
     from ulysses_sp.cli.check.engine import CheckReport
 
 
+CONFIG_FLAGS = ("sp_size", "sp_ring_size", "sp_head_chunks", "tiled_loss_tokens", "tiled_mlp_tokens",
+                "offload_activations")
+"""The ``UlyssesSPConfig`` fields the SP run takes from the command line (flags made from the config, as
+``train``'s; the backend is ``ulysses``, the kernel ``--attn-implementation``, in both runs)."""
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of ``ulysses-sp check``."""
+    from ulysses_sp.cli.config_flags import add_config_flags
+
     parser.add_argument("--model", dest="model_flag", metavar="MODEL",
                         help="local model directory, path to a config.json, or a Hub name (needs network); as in "
                         "`train` and `plan`")
     parser.add_argument("model", nargs="?", help="the same, positionally (kept as an alias of --model)")
-    parser.add_argument("--sp-size", type=int, required=True, help="processes sharing the sequence (P)")
-    parser.add_argument("--sp-ring-size", type=int, default=None,
-                        help="Ulysses x ring: ring degree, a divisor of --sp-size (default: 1, or the smallest "
-                        "the head count needs when --sp-size exceeds it)")
+    add_config_flags(parser, CONFIG_FLAGS, required=("sp_size",))
     parser.add_argument("--random-init", action="store_true",
                         help="weights from the model's own initializer (seeded); a checkpoint is the stronger check")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="default float32")
@@ -37,17 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attn-implementation", default=None,
                         help="sdpa, eager, flex_attention, flash_attention_2 ... (default: the model's own)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the batch and of random weights (default 0)")
-    parser.add_argument("--tiled-loss-tokens", type=int, default=None,
-                        help="the SP run computes lm_head + loss in tiles of this many tokens (default: untiled)")
-    parser.add_argument("--tiled-mlp-tokens", type=int, default=None,
-                        help="the SP run computes the MLPs in tiles of this many tokens (default: untiled)")
-    parser.add_argument("--sp-head-chunks", type=int, default=1,
-                        help="the SP run processes its local heads in this many chunks (default 1)")
     parser.add_argument("--gradient-checkpointing", action="store_true",
                         help="the SP run checkpoints its layers; both runs then run in train mode with every "
                         "dropout probability of the config set to 0")
-    parser.add_argument("--offload-activations", action="store_true",
-                        help="with --gradient-checkpointing: the SP run keeps the checkpointed layer inputs on the CPU")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                         help="where both runs compute (default auto: CUDA with NCCL when there is a GPU per rank, "
                         "else CPU). cuda with fewer GPUs than --sp-size: the ranks share them over gloo (each holds "
@@ -119,12 +116,10 @@ def run(args: argparse.Namespace) -> int:
     if not model:
         raise ValueError("give the model to check: ulysses-sp check --model DIR --sp-size P.")
     options = CheckOptions(
-        model=model, sp_size=args.sp_size, random_init=args.random_init, dtype=args.dtype,
-        batch_size=args.batch_size, seq_len=args.seq_len, padding=args.padding, packed=args.packed,
-        attn_implementation=args.attn_implementation, seed=args.seed, sp_ring_size=args.sp_ring_size,
-        device=args.device, tiled_loss_tokens=args.tiled_loss_tokens, tiled_mlp_tokens=args.tiled_mlp_tokens,
-        sp_head_chunks=args.sp_head_chunks, gradient_checkpointing=args.gradient_checkpointing,
-        offload_activations=args.offload_activations,
+        model=model, random_init=args.random_init, dtype=args.dtype, batch_size=args.batch_size,
+        seq_len=args.seq_len, padding=args.padding, packed=args.packed, attn_implementation=args.attn_implementation,
+        seed=args.seed, device=args.device, gradient_checkpointing=args.gradient_checkpointing,
+        **{name: getattr(args, name) for name in CONFIG_FLAGS},
     )
     try:
         report = run_check(options)

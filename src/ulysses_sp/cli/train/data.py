@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from ulysses_sp import IGNORE_INDEX as IGNORE
+from ulysses_sp import IGNORE_INDEX
 
 _BUILDERS = {".txt": "text", ".md": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 
@@ -132,7 +132,7 @@ def tokenize_row(row: dict[str, Any], tokenizer, fmt: str, text_field: str, comp
         out = tokenizer.apply_chat_template(row["messages"], tokenize=True, return_dict=True,
                                             return_assistant_tokens_mask=True)
         ids, mask = list(out["input_ids"]), list(out["assistant_masks"])
-        return {"input_ids": ids, "labels": [t if m else IGNORE for t, m in zip(ids, mask)]}
+        return {"input_ids": ids, "labels": [t if m else IGNORE_INDEX for t, m in zip(ids, mask)]}
     if fmt == "messages":
         ids = _ids(tokenizer, row["messages"])
         return {"input_ids": ids, "labels": list(ids)}
@@ -142,7 +142,7 @@ def tokenize_row(row: dict[str, Any], tokenizer, fmt: str, text_field: str, comp
         full = (_ids(tokenizer, row["prompt"] + row["completion"]) if chat
                 else _ids(tokenizer, row["prompt"] + row["completion"] + eos))
         n = next((i for i, (a, b) in enumerate(zip(prompt, full)) if a != b), min(len(prompt), len(full)))
-        labels = [IGNORE] * n + full[n:] if completion_only else list(full)
+        labels = [IGNORE_INDEX] * n + full[n:] if completion_only else list(full)
         return {"input_ids": full, "labels": labels}
     text = row[text_field]
     ids = _ids(tokenizer, text if text.endswith(eos) else text + eos)
@@ -177,7 +177,8 @@ def _tokenize(raw, margs: Any, tokenizer, map_kwargs: dict[str, Any]):
     fn_kwargs = dict(tokenizer=tokenizer, fmt=fmt, text_field=margs.dataset_text_field,
                      completion_only=margs.completion_only_loss, assistant_only=assistant_only)
     data = raw.map(tokenize_row, fn_kwargs=fn_kwargs, remove_columns=raw.column_names, desc="tokenize", **map_kwargs)
-    data = data.filter(lambda r: len(r["input_ids"]) > 1 and any(x != IGNORE for x in r["labels"][1:]), **map_kwargs)
+    data = data.filter(lambda r: len(r["input_ids"]) > 1 and any(x != IGNORE_INDEX for x in r["labels"][1:]),
+                       **map_kwargs)
     if len(data) == 0:
         raise DataInputError("no row has a token to train on (every label is masked: rows of one token, or "
                              "--assistant-only-loss / --completion-only-loss masking everything).")
@@ -244,7 +245,7 @@ class LMCollator:
         S = max(len(r["input_ids"]) for r in rows)
         B = len(rows)
         batch = {"input_ids": torch.full((B, S), self.pad_token_id, dtype=torch.long),
-                 "labels": torch.full((B, S), IGNORE, dtype=torch.long),
+                 "labels": torch.full((B, S), IGNORE_INDEX, dtype=torch.long),
                  "attention_mask": torch.zeros(B, S, dtype=torch.long),
                  "position_ids": torch.zeros(B, S, dtype=torch.long)}
         for i, row in enumerate(rows):
@@ -258,5 +259,5 @@ class LMCollator:
             batch["position_ids"][i, :n] = positions
             batch["position_ids"][i, n:] = torch.arange(1, S - n + 1) + (positions[-1] if n else -1)
             starts = torch.tensor(lengths[:-1]).cumsum(0) if len(lengths) > 1 else torch.zeros(0, dtype=torch.long)
-            batch["labels"][i, starts] = IGNORE
+            batch["labels"][i, starts] = IGNORE_INDEX
         return batch

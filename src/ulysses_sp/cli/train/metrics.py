@@ -38,8 +38,7 @@ import torch
 import torch.distributed as dist
 from transformers import TrainerCallback
 
-from ulysses_sp import IGNORE_INDEX as IGNORE
-from ulysses_sp import all_reduce_sum, gather_signature
+from ulysses_sp import IGNORE_INDEX, all_reduce_sum, gather_signature
 from ulysses_sp.cli.train.plot import GIB, read_metrics, record_split
 
 
@@ -70,7 +69,7 @@ def answer_accuracy(model: torch.nn.Module, rows: Mapping[str, torch.Tensor], ul
         shard = ulysses.shard(batch)
         logits = model(**ulysses.model_inputs(shard)).logits
         target = shard["shift_labels"]
-        keep = target != IGNORE
+        keep = target != IGNORE_INDEX
         counts[0] += (logits.argmax(-1)[keep] == target[keep]).sum()
         counts[1] += keep.sum()
     if ulysses.mesh.sp_size > 1:

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ulysses_sp import IGNORE_INDEX as IGNORE
+from ulysses_sp import IGNORE_INDEX
 
 NEEDLE = " the pass key is {key}. remember it. {key} is the pass key. "
 QUESTION = " what is the pass key? the pass key is"
@@ -153,7 +153,7 @@ class PasskeyTask:
         filler = stream[start:start + num_filler]
         cut = round(depth * num_filler)
         ids = head + filler[:cut] + needle + filler[cut:] + tail
-        labels = [IGNORE] * (length - len(tail) + shared) + tail[shared:]
+        labels = [IGNORE_INDEX] * (length - len(tail) + shared) + tail[shared:]
         return ids, labels
 
     def rows(self, length: int, depths: list[float], seed: int) -> dict[str, torch.Tensor]:

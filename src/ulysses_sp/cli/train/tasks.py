@@ -19,9 +19,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ulysses_sp import IGNORE_INDEX
+
 PAD, BOS, SEP = 0, 1, 2
 NUM_SPECIAL = 3
-IGNORE = -100
 
 
 @dataclass(frozen=True)
@@ -54,14 +55,14 @@ class CopyTask:
 
     def rows(self, num_rows: int, seed: int) -> dict[str, torch.Tensor]:
         """``num_rows`` rows: ``input_ids`` ``(num_rows, S)`` and ``labels`` ``(num_rows, S)``
-        (unshifted, as transformers expects; ``-100`` outside the copied half)."""
+        (unshifted, as transformers expects; ``IGNORE_INDEX`` outside the copied half)."""
         n = self.num_content
         gen = torch.Generator().manual_seed(seed)
         x = torch.randint(NUM_SPECIAL, self.vocab_size, (num_rows, n), generator=gen)
         bos = torch.full((num_rows, 1), BOS)
         sep = torch.full((num_rows, 1), SEP)
         input_ids = torch.cat([bos, x, sep, x], dim=1)
-        labels = torch.full_like(input_ids, IGNORE)
+        labels = torch.full_like(input_ids, IGNORE_INDEX)
         labels[:, n + 2 :] = x
         return {"input_ids": input_ids, "labels": labels}
 

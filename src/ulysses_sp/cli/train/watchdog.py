@@ -57,7 +57,7 @@ class Heartbeat:
     def __init__(self, rank: int, world_size: int, timeout_s: float) -> None:
         self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._beat, name="ulysses-sp-heartbeat", daemon=True)
+        self.thread = threading.Thread(target=self._beat, name="ulysses-sp-heartbeat", daemon=True)
 
     @classmethod
     def start(cls, rank: int, world_size: int, timeout_s: float) -> Heartbeat | None:
@@ -65,7 +65,7 @@ class Heartbeat:
         if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ or world_size < 2:
             return None
         beat = cls(rank, world_size, timeout_s)
-        beat._thread.start()
+        beat.thread.start()
         return beat
 
     def _beat(self) -> None:
