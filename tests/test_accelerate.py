@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # ---- Accelerate's names -> UlyssesSPConfig ----------------------------------------------------
 
 def test_config_from_accelerate_names_in_every_spelling(monkeypatch):
-    """Catches a mapping that drops or misreads one of Accelerate's sp_* names in one of the places
+    """Bug caught: a mapping that drops or misreads one of Accelerate's sp_* names in one of the places
     users write them (plain mapping, config-file section, whole config file, launcher env vars)."""
     expected = UlyssesSPConfig(sp_size=2, sp_attn_implementation="eager", sp_seq_length_is_variable=False,
                                tiled_loss_tokens=128)
@@ -43,7 +43,7 @@ def test_config_from_accelerate_names_in_every_spelling(monkeypatch):
 
 
 def test_config_from_accelerate_parallelism_config_object():
-    """Catches reading Accelerate's ParallelismConfig wrongly: sp_size 1 (its defaults, incl. the
+    """Bug caught: reading Accelerate's ParallelismConfig wrongly: sp_size 1 (its defaults, incl. the
     forced sp_backend='deepspeed') is no SP; sp_size 2 there is Accelerate's own ALST and refused."""
     from accelerate.parallelism_config import ParallelismConfig
 
@@ -66,7 +66,7 @@ def test_config_from_accelerate_parallelism_config_object():
     ({"sp_sise": 2}, "unknown Accelerate parallelism option"),
 ])
 def test_config_from_accelerate_rejects_what_it_cannot_honour(values, match):
-    """Catches silently accepting a setting ulysses-sp would not honour (a second SP backend,
+    """Bug caught: silently accepting a setting ulysses-sp would not honour (a second SP backend,
     tensor/context parallelism, hub kernels, SP off in eval, a typo)."""
     with pytest.raises(ValueError, match=match):
         config_from_accelerate(values)
@@ -111,7 +111,7 @@ def _errors_worker(rank, world_size):
 
 
 def test_errors_before_training():
-    """Catches a setup that hangs or trains wrongly instead of failing first with the fix named:
+    """Bug caught: a setup that hangs or trains wrongly instead of failing first with the fix named:
     sp_size not dividing the world, a model with fewer heads than sp_size, an optimizer step
     spanning two epochs, a sampler that the dp-only split would silently replace, a packed batch
     without position_ids, an eval batch whose length differs across the SP group. (An Accelerator
@@ -176,7 +176,7 @@ def sp2_run(tmp_path_factory):
 
 
 def test_accelerate_sp2_matches_one_process_reference_step_by_step(sp2_run):
-    """Catches an Accelerate SP loop whose trajectory drifts from one process on the global batch:
+    """Bug caught: an Accelerate SP loop whose trajectory drifts from one process on the global batch:
     a loss not normalised by the whole step's token count (micro-batches hold different numbers of
     tokens), Accelerate's division by gradient_accumulation_steps left uncorrected, SP ranks
     reading different data or Accelerate splitting batches over SP ranks, lost shard-boundary
@@ -194,7 +194,7 @@ def test_accelerate_sp2_matches_one_process_reference_step_by_step(sp2_run):
 
 
 def test_accelerate_resume_matches_uninterrupted_run(sp2_run):
-    """Catches a resume that restarts the data (same batches again), the shuffling of the wrong
+    """Bug caught: a resume that restarts the data (same batches again), the shuffling of the wrong
     epoch, or loses the optimizer's moments: steps 3 and 4 after load_state must equal the run
     that never stopped."""
     tmp, sp = sp2_run

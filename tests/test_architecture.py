@@ -60,13 +60,13 @@ def _layer(module: str) -> int | None:
 
 
 def test_every_module_is_in_a_layer():
-    """Catches a new top-level folder or module that docs/architecture.md does not place."""
+    """Bug caught: a new top-level folder or module that docs/architecture.md does not place."""
     stray = [m for m in MODULES if m != "ulysses_sp" and _layer(m) is None]
     assert not stray, f"add these to a layer (docs/architecture.md, LAYERS here): {stray}"
 
 
 def test_imports_point_down_and_library_does_not_import_cli():
-    """Catches a library module importing cli/ (applications), a higher layer, or the package's
+    """Bug caught: a library module importing cli/ (applications), a higher layer, or the package's
     export hub ``ulysses_sp`` (which imports everything: a cycle waiting to happen)."""
     wrong = []
     for module, path in MODULES.items():
@@ -84,7 +84,7 @@ def test_imports_point_down_and_library_does_not_import_cli():
 
 
 def test_no_import_cycle():
-    """Catches two package modules importing each other (directly or through others), nested
+    """Bug caught: two package modules importing each other (directly or through others), nested
     imports included: a cycle makes import order matter and hides layering mistakes."""
     graph = {m: set() for m in MODULES}
     for module, path in MODULES.items():
@@ -123,7 +123,7 @@ def _public_use_violations(path: Path, allow_cli: bool) -> list[str]:
 
 
 def test_applications_use_only_exported_names():
-    """Catches the CLI, an example or a benchmark reaching into the library's modules or private
+    """Bug caught: the CLI, an example or a benchmark reaching into the library's modules or private
     names instead of what ``ulysses_sp`` exports (what users get)."""
     files = sorted((PACKAGE / "cli").rglob("*.py")) + sorted((ROOT / "examples").glob("*.py"))
     files += sorted((ROOT / "benchmarks").glob("*.py"))
@@ -132,7 +132,7 @@ def test_applications_use_only_exported_names():
 
 
 def test_readme_code_uses_only_exported_names():
-    """Catches README snippets that import from deep paths."""
+    """Bug caught: README snippets that import from deep paths."""
     text = (ROOT / "README.md").read_text()
     wrong = []
     for match in re.finditer(r"from (ulysses_sp[\w.]*) import ([\w, ]+)", text):
@@ -144,7 +144,7 @@ def test_readme_code_uses_only_exported_names():
 
 
 def test_frameworks_are_imported_only_by_integrations_and_cli():
-    """Catches transformers / accelerate / trl reaching the core layers, and DeepSpeed (a peer the
+    """Bug caught: transformers / accelerate / trl reaching the core layers, and DeepSpeed (a peer the
     bench compares with) imported anywhere but cli/bench."""
     wrong = []
     for module, path in MODULES.items():
@@ -160,7 +160,7 @@ def test_frameworks_are_imported_only_by_integrations_and_cli():
 
 @pytest.mark.parametrize("name", ulysses_sp.__all__)
 def test_every_exported_name_resolves(name):
-    """Catches ``__all__`` naming something the package cannot give (a typo, a moved function)."""
+    """Bug caught: ``__all__`` naming something the package cannot give (a typo, a moved function)."""
     assert getattr(ulysses_sp, name) is not None
 
 
@@ -232,3 +232,15 @@ def test_the_line_length_check_can_fail(tmp_path):
     sample = tmp_path / "sample.py"
     sample.write_text("x = 1\n" + "y = '" + "a" * MAX_LINE + "'\n" + "z" * MAX_LINE + "\n")
     assert [w.split(":", 1)[1] for w in _long_lines(sample)] == [f"2 ({MAX_LINE + 6} chars)"]
+
+
+def test_every_test_names_the_bug_it_catches():
+    """Bug caught: a test without a ``Bug caught:`` docstring (two spellings, "Catches" and
+    "Bug caught:", once lived side by side), so a reader cannot tell what it guards."""
+    wrong = []
+    for path in sorted((ROOT / "tests").glob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("test_"):
+                if not (ast.get_docstring(node) or "").startswith("Bug caught: "):
+                    wrong.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}")
+    assert not wrong, "start these docstrings with 'Bug caught: ':\n" + "\n".join(wrong)

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from dist_helper import spawn
+from reference import allowed_reference, naive_attention
 from ulysses_sp import GlobalMask, SPMesh, UlyssesAttention
 
 B, S, D, H = 2, 12, 16, 8
@@ -30,30 +31,6 @@ MASKS = {  # name -> (uses docs, uses padding, sliding window, softcap)
 }
 
 
-def allowed_reference(docs: bool, padding: bool, window):
-    """(B, S, S) bool built by explicit loops, independent of GlobalMask."""
-    doc = [[sum(1 for t in range(1, i + 1) if POSITIONS[b, t] == 0) for i in range(S)] for b in range(B)]
-    out = torch.zeros(B, S, S, dtype=torch.bool)
-    for b in range(B):
-        for i in range(S):
-            for j in range(S):
-                ok = j <= i and (window is None or i - j < window)
-                ok = ok and (not docs or doc[b][i] == doc[b][j]) and (not padding or bool(VALID[b, j]))
-                out[b, i, j] = (i == j) if padding and not VALID[b, i] else ok
-    return out
-
-
-def naive_attention(q, k, v, allowed, softcap=None):
-    """(B,N,S,H) x (B,K,S,H) -> (B,S,N,H) in float64 math, the definition of attention."""
-    rep = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    scores = q @ k.transpose(2, 3) / q.shape[-1] ** 0.5
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.masked_fill(~allowed[:, None], float("-inf"))
-    return (torch.softmax(scores.double(), -1).to(q.dtype) @ v).transpose(1, 2)
-
-
 def make_case(N, K, seed, dtype):
     gen = torch.Generator().manual_seed(seed)
     t = lambda *shape: (torch.randn(*shape, generator=gen) * 0.5).to(dtype)  # noqa: E731
@@ -69,7 +46,7 @@ def run_reference(case, N, K, mask_name):
     v = (x @ leaves["wv"]).view(B, S, K, H).transpose(1, 2)
     for t in (q, k, v):
         t.retain_grad()
-    o = naive_attention(q, k, v, allowed_reference(docs, padding, window), softcap)
+    o = naive_attention(q, k, v, allowed_reference(POSITIONS, VALID, docs, padding, window), softcap)
     g = leaves["g"] * VALID[:, :, None, None] if padding else leaves["g"]
     (o * g).sum().backward()
     return o, {"x": x.grad, "wq": leaves["wq"].grad, "wk": leaves["wk"].grad, "wv": leaves["wv"].grad,
@@ -145,7 +122,7 @@ def _parity_worker(rank, world, heads):
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_ulysses_attention_matches_single_process(world):
-    """Catches any error in head split, exchange, kv regrouping, global masks (causal, packed
+    """Bug caught: any error in head split, exchange, kv regrouping, global masks (causal, packed
     documents, padding, sliding window, softcap) or their backward, for N % P != 0 and K < P."""
     spawn(_parity_worker, world, HEADS[world])
 
@@ -185,7 +162,7 @@ def _documents_worker(rank, world):
 
 
 def test_packed_documents_equal_each_document_alone():
-    """Catches attention leaking across packed-document boundaries, and proves the comparison
+    """Bug caught: attention leaking across packed-document boundaries, and proves the comparison
     would see such a leak (the unmasked run must differ)."""
     spawn(_documents_worker, 3)
 
@@ -219,6 +196,6 @@ def run_sp_forward_only(case, mask_name, mesh):
 
 
 def test_flex_attention_forward_matches_on_cpu():
-    """Catches a wrong block mask (documents, padding, window) or softcap in the flex adapter.
+    """Bug caught: a wrong block mask (documents, padding, window) or softcap in the flex adapter.
     flex_attention has no CPU backward in torch 2.13; its backward runs in the GPU test."""
     spawn(_flex_worker, 2)

@@ -41,7 +41,7 @@ def _run(tmp_path, systems, mode):
 
 
 def test_bench_smoke_records(tmp_path):
-    """Catches missing JSON fields, a system that trains on a different loss than one process
+    """Bug caught: missing JSON fields, a system that trains on a different loss than one process
     (wrong sharding / loss scaling), a byte counter or exchange that sends more or less than the
     Ulysses layout needs, and a third collective per layer sneaking into the attention."""
     code, records, paired = _run(tmp_path, ["single", "ulysses", "ring"], "both")
@@ -65,7 +65,7 @@ def test_bench_smoke_records(tmp_path):
 
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed not installed")
 def test_bench_deepspeed_same_loss_and_its_collectives(tmp_path):
-    """Catches a DeepSpeed wiring that differs from HF/ALST (loss not equal to ours) and a
+    """Bug caught: a DeepSpeed wiring that differs from HF/ALST (loss not equal to ours) and a
     counter that misses DeepSpeed's traffic: 3 + 1 all-to-alls and the position_ids all-gather."""
     code, records, _ = _run(tmp_path, ["ulysses", "deepspeed"], "isolated")
     assert code == 0
@@ -78,7 +78,7 @@ def test_bench_deepspeed_same_loss_and_its_collectives(tmp_path):
 
 
 def test_bench_chunked_system_same_bytes_twice_the_collectives_and_paired_one_process(tmp_path):
-    """Catches ``--systems ulysses_chunked`` not reaching UlyssesSPConfig(sp_head_chunks) (it would
+    """Bug caught: ``--systems ulysses_chunked`` not reaching UlyssesSPConfig(sp_head_chunks) (it would
     issue 2 collectives per layer), chunking that changes the bytes or the loss, a formula that
     does not know the chunked count, paired runs that lose the one-process steps they are
     compared with (the 'one process / system' ratio on equal cores), and --attention-memory not
@@ -111,7 +111,7 @@ def test_bench_chunked_system_same_bytes_twice_the_collectives_and_paired_one_pr
 
 
 def test_bench_interrupted_run_keeps_what_it_measured(tmp_path, monkeypatch, capsys):
-    """Catches records written only at the end (an interrupted or killed run would leave nothing)
+    """Bug caught: records written only at the end (an interrupted or killed run would leave nothing)
     and rows printed only after the whole run: the second configuration is interrupted, the first
     one's record must be in the JSON file and its row on stdout, and the exit code says 130."""
     from ulysses_sp.cli import bench
@@ -135,7 +135,7 @@ def test_bench_interrupted_run_keeps_what_it_measured(tmp_path, monkeypatch, cap
 
 
 def test_bench_budget_skips_what_would_not_fit():
-    """Catches a time budget that lets a long configuration start near the end (the default run
+    """Bug caught: a time budget that lets a long configuration start near the end (the default run
     must finish in 5 minutes) or that refuses work when there is no limit or nothing measured."""
     from types import SimpleNamespace
 
@@ -152,7 +152,7 @@ def test_bench_budget_skips_what_would_not_fit():
 
 
 def test_bench_ulysses_ring_system_counts_bytes_of_its_formula(tmp_path):
-    """Catches ``--systems ulysses_ring`` not reaching UlyssesSPConfig(sp_ring_size) (a plain
+    """Bug caught: ``--systems ulysses_ring`` not reaching UlyssesSPConfig(sp_ring_size) (a plain
     all-to-all over P=4 ranks would send other bytes), a formula that disagrees with the counted
     bytes / collectives, and a 2-D split whose loss differs from one process."""
     out = tmp_path / "bench.json"

@@ -25,7 +25,7 @@ def llama_dir(tmp_path_factory):
 
 
 def test_check_command_matches_on_packed_odd_length_batch(llama_dir, capsys):
-    """Catches a broken check pipeline: SP loss/grads of a saved model (packed documents, S=23 not
+    """Bug caught: a broken check pipeline: SP loss/grads of a saved model (packed documents, S=23 not
     divisible by P=2) must match the per-document one-process reference and exit 0 with the table."""
     code = main(["check", str(llama_dir), "--sp-size", "2", "--packed", "--seq-len", "23"])
     out = capsys.readouterr().out
@@ -35,7 +35,7 @@ def test_check_command_matches_on_packed_odd_length_batch(llama_dir, capsys):
 
 
 def test_check_with_memory_features_matches_and_refuses_bad_tile_sizes(llama_dir, capsys):
-    """Catches the tiled loss / tiled MLP / head chunk / checkpointing / offload flags not reaching
+    """Bug caught: the tiled loss / tiled MLP / head chunk / checkpointing / offload flags not reaching
     the SP run (the report names them and the run still matches) and bad values being spawned
     instead of refused."""
     code = main(["check", str(llama_dir), "--sp-size", "2", "--padding", "--seq-len", "23",
@@ -52,7 +52,7 @@ def test_check_with_memory_features_matches_and_refuses_bad_tile_sizes(llama_dir
 
 
 def test_checkpointed_check_of_a_model_with_dropout_is_deterministic(tmp_path, capsys):
-    """Catches train mode (which checkpointing needs) leaving the config's dropout on: GPT-2's
+    """Bug caught: train mode (which checkpointing needs) leaving the config's dropout on: GPT-2's
     default 0.1 residual / attention / embedding dropout would make the two runs differ."""
     import transformers as tf
 
@@ -76,7 +76,7 @@ def _fake_results(seed=0):
 
 
 def test_compare_reports_a_perturbed_gradient_as_mismatch():
-    """Catches a detector that cannot fail: one gradient element off by 1% of that tensor's max must
+    """Bug caught: a detector that cannot fail: one gradient element off by 1% of that tensor's max must
     give exit 1 and name the tensor, while fp32 rounding noise (1e-7) must still pass."""
     ref, sp = _fake_results()
     assert compare(ref, sp, TOLERANCES["float32"]).exit_code == 0  # rounding-level noise is a match
@@ -91,7 +91,7 @@ def test_compare_reports_a_perturbed_gradient_as_mismatch():
 
 
 def test_compare_reports_loss_mismatch_missing_gradient_and_nan():
-    """Catches mismatches that hide from a max over gradients: a wrong loss scale, a parameter
+    """Bug caught: mismatches that hide from a max over gradients: a wrong loss scale, a parameter
     without a gradient on one side, and NaN (which compares False with everything)."""
     ref, sp = _fake_results()
     sp.loss = ref.loss * 2  # e.g. a loss not divided by the SP size
@@ -105,7 +105,7 @@ def test_compare_reports_loss_mismatch_missing_gradient_and_nan():
 
 
 def test_missing_model_path_exits_2(tmp_path, capsys):
-    """Catches a typo in the model path turning into a Hub download attempt or a traceback."""
+    """Bug caught: a typo in the model path turning into a Hub download attempt or a traceback."""
     missing = tmp_path / "no_such_model"
     assert main(["check", str(missing), "--sp-size", "2"]) == 2
     err = capsys.readouterr().err
@@ -113,7 +113,7 @@ def test_missing_model_path_exits_2(tmp_path, capsys):
 
 
 def test_sp_size_larger_than_heads_exits_2_with_ulysses_message(llama_dir, capsys):
-    """Catches spawning P processes for a model UlyssesSP refuses: the refusal (with its fix) is
+    """Bug caught: spawning P processes for a model UlyssesSP refuses: the refusal (with its fix) is
     printed and nothing is launched."""
     assert main(["check", str(llama_dir), "--sp-size", "16", "--sp-ring-size", "1"]) == 2
     err = capsys.readouterr().err
@@ -137,7 +137,7 @@ def test_compare_treats_a_theoretically_zero_gradient_as_zero_but_not_a_wrong_on
 
 
 def test_device_flag_refusals(llama_dir, capsys, monkeypatch):
-    """Catches --device cuda on a machine without CUDA turning into a CUDA traceback in the workers,
+    """Bug caught: --device cuda on a machine without CUDA turning into a CUDA traceback in the workers,
     and a ring over GPUs shared through gloo (send/recv of CUDA tensors) being launched."""
     if not torch.cuda.is_available():
         assert main(["check", str(llama_dir), "--sp-size", "2", "--device", "cuda"]) == 2
@@ -150,7 +150,7 @@ def test_device_flag_refusals(llama_dir, capsys, monkeypatch):
 
 
 def test_bf16_accepts_rounding_the_one_process_run_shares_but_not_a_bug():
-    """Catches bf16 checks that flag rounding as a MISMATCH (a tiny random model's bf16 gradients
+    """Bug caught: bf16 checks that flag rounding as a MISMATCH (a tiny random model's bf16 gradients
     sit up to 0.6 of a tensor's scale off fp32 in ONE process already), and a noise rule so loose
     that a real error passes: SP is judged against an fp32 run, by the bf16 reference's own error."""
     g = torch.Generator().manual_seed(0)
@@ -178,7 +178,8 @@ def test_bf16_accepts_rounding_the_one_process_run_shares_but_not_a_bug():
 
 
 def test_bf16_check_of_a_saved_model_matches_with_the_fp32_comparison(llama_dir, capsys):
-    """The bf16 command end to end: the report shows both bf16 runs against one fp32 process."""
+    """Bug caught: a bf16 check failing on rounding alone, or a report without the comparison that
+    accepts it: the bf16 command end to end shows both bf16 runs against one fp32 process."""
     code = main(["check", str(llama_dir), "--sp-size", "2", "--packed", "--seq-len", "23", "--dtype", "bfloat16"])
     out = capsys.readouterr().out
     assert code == 0 and "RESULT: MATCH" in out, out

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from dist_helper import spawn
+from reference import allowed_reference, attention_reference
 from ulysses_sp import GlobalMask, SPMesh, UlyssesAttention, UlyssesSPConfig, attention_comm, build_attention
 from ulysses_sp.comm.layout import HeadPlan
 
@@ -44,30 +45,6 @@ FP64_TOL = {"rtol": 1e-5, "atol": 1e-5}
 # outside the kernel, and the kernel may block a smaller batch of heads differently): a few fp32
 # eps (1.2e-7) of O(1) values, so 2e-6.
 SAME_TOL = {"rtol": 2e-6, "atol": 2e-6}
-
-
-def allowed_reference(docs: bool, padding: bool, window: int | None) -> torch.Tensor:
-    """(B, S, S) bool by explicit loops over positions, independent of GlobalMask."""
-    doc = [[sum(1 for t in range(1, i + 1) if POSITIONS[b, t] == 0) for i in range(S)] for b in range(B)]
-    out = torch.zeros(B, S, S, dtype=torch.bool)
-    for b in range(B):
-        for i in range(S):
-            for j in range(S):
-                ok = j <= i and (window is None or i - j < window)
-                ok = ok and (not docs or doc[b][i] == doc[b][j]) and (not padding or bool(VALID[b, j]))
-                out[b, i, j] = (i == j) if padding and not VALID[b, i] else ok
-    return out
-
-
-def reference(q, k, v, g, allowed):
-    """float64 attention on the full sequence: o (B,S,N,H) and the grads of q, k, v for loss sum(o * g)."""
-    q, k, v = (t.double().requires_grad_() for t in (q, k, v))
-    rep = q.shape[1] // k.shape[1]
-    scores = q @ k.repeat_interleave(rep, 1).transpose(2, 3) / H**0.5
-    probs = torch.softmax(scores.masked_fill(~allowed[:, None], float("-inf")), -1)
-    o = (probs @ v.repeat_interleave(rep, 1)).transpose(1, 2)
-    (o * g.double()).sum().backward()
-    return o.detach(), q.grad, k.grad, v.grad
 
 
 class Recorder:
@@ -139,7 +116,7 @@ def _worker(rank, world, heads, models):
         for mask_name, (docs, padding, window) in MASKS.items():
             mask = GlobalMask(S, True, GlobalMask.from_position_ids(POSITIONS).document_ids if docs else None,
                               VALID if padding else None)
-            ref = reference(q, k, v, g, allowed_reference(docs, padding, window))
+            ref = attention_reference(q, k, v, g, allowed_reference(POSITIONS, VALID, docs, padding, window))
             rows = VALID[:, sl] if padding else torch.ones(B, s, dtype=torch.bool)  # padding queries: no reference
             kernels = ("sdpa", "eager") if mask_name == "packed" else ("sdpa",)
             for kernel in kernels:
@@ -240,7 +217,7 @@ def _check_collectives(rec, plain_rec, C, stamps, plan, rank):
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_chunked_ulysses_matches_reference_and_unchunked(world):
-    """Catches a chunk exchange that sends the wrong heads or tokens, a kv head carried to the next
+    """Bug caught: a chunk exchange that sends the wrong heads or tokens, a kv head carried to the next
     chunk without its gradient flowing back (or sent twice), chunks misaligned across ranks with
     uneven head splits or K < P, a backward that is not pipelined or returns wrong grads, extra
     collectives or bytes, synchronous (non-overlapped) exchanges, and UlyssesSP not passing
@@ -249,7 +226,7 @@ def test_chunked_ulysses_matches_reference_and_unchunked(world):
 
 
 def test_head_chunks_partition_every_rank_heads_and_send_each_kv_head_once():
-    """Catches chunk plans that lose or duplicate a query head, send a (kv head, rank) pair twice or
+    """Bug caught: chunk plans that lose or duplicate a query head, send a (kv head, rank) pair twice or
     never, let a chunk read a kv head it neither received nor carried, or change the total bytes;
     derived here from the definition (rank r owns q heads [a, b) and reads kv heads h // (N/K))."""
     for N, K, P in [(5, 1, 2), (8, 4, 2), (6, 2, 4), (12, 4, 3), (10, 5, 4), (8, 1, 4), (32, 8, 4), (3, 3, 3)]:
@@ -274,7 +251,7 @@ def test_head_chunks_partition_every_rank_heads_and_send_each_kv_head_once():
 
 
 def test_head_chunks_are_validated():
-    """Catches a chunk count that is not a positive integer reaching the layer, and chunks silently
+    """Bug caught: a chunk count that is not a positive integer reaching the layer, and chunks silently
     ignored by the ring backend (which has no head chunks)."""
     assert UlyssesSPConfig(sp_head_chunks=4).sp_head_chunks == 4
     for bad in (0, -1, 1.5, True, None):

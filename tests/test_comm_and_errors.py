@@ -81,7 +81,7 @@ def _count_worker(rank, world):
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_two_collectives_each_way_and_bytes_match_the_formula(world):
-    """Catches extra collectives per layer (e.g. separate q/k/v exchanges, a per-layer position
+    """Bug caught: extra collectives per layer (e.g. separate q/k/v exchanges, a per-layer position
     gather) and sending kv heads a rank does not use."""
     spawn(_count_worker, world)
 
@@ -121,7 +121,7 @@ def _bad_input_worker(rank, world):
 
 
 def test_bad_input_raises_on_every_rank_instead_of_hanging():
-    """Catches a mismatch across ranks reaching the all-to-all (gloo aborts, NCCL hangs)."""
+    """Bug caught: a mismatch across ranks reaching the all-to-all (gloo aborts, NCCL hangs)."""
     spawn(_bad_input_worker, 2, timeout_s=60)
 
 
@@ -145,20 +145,20 @@ def _mesh_layout_worker(rank, world):
 
 
 def test_mesh_rejects_sp_size_not_dividing_world():
-    """Catches a dp x sp split that silently drops ranks or orders SP groups non-contiguously."""
+    """Bug caught: a dp x sp split that silently drops ranks or orders SP groups non-contiguously."""
     spawn(_mesh_errors_worker, 3)
     spawn(_mesh_layout_worker, 4)
 
 
 def test_mesh_needs_an_initialised_world():
-    """Catches a confusing torch error when the user forgot to launch with torchrun."""
+    """Bug caught: a confusing torch error when the user forgot to launch with torchrun."""
     assert not dist.is_initialized()
     with pytest.raises(ValueError, match="torchrun"):
         SPMesh.from_world(2)
 
 
 def test_local_backend_and_spawn_refusals(monkeypatch):
-    """Catches nccl chosen (or accepted) with fewer GPUs than ranks, which NCCL refuses only after
+    """Bug caught: nccl chosen (or accepted) with fewer GPUs than ranks, which NCCL refuses only after
     every rank started ("Duplicate GPU detected"), and CUDA asked for where torch has none."""
     from ulysses_sp import local_backend, spawn
 
@@ -187,7 +187,7 @@ def _close_world_worker(rank, world):
 
 
 def test_close_world_destroys_the_world_and_is_idempotent():
-    """Catches close_world leaving the world initialised (the next init_process_group in the
+    """Bug caught: close_world leaving the world initialised (the next init_process_group in the
     process would fail) or raising when called on a closed world."""
     from ulysses_sp.comm import spawn as spawn_fresh
 

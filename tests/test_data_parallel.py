@@ -127,7 +127,7 @@ def _worker(rank: int, world: int, cases: tuple[str, ...]) -> None:
 
 
 def test_ddp_and_fsdp2_gradients_match_one_process_on_the_global_batch() -> None:
-    """Bugs caught: gradients sp times too large (or too small) after DDP's / FSDP2's world average
+    """Bug caught: gradients sp times too large (or too small) after DDP's / FSDP2's world average
     (a wrong ``grad_average_world`` default, e.g. dp instead of dp * sp), tokens counted per replica
     or per SP group instead of over the whole step (replicas with different token counts then get
     wrong weights), a replica's micro-batch dropped or duplicated, UlyssesSP failing to find the

@@ -68,6 +68,6 @@ def _worker(rank, world):
 
 
 def test_zero_stages_give_single_process_gradients():
-    """Catches gradients sp times too large (DeepSpeed's own SP loss aggregation under ZeRO-1/2),
+    """Bug caught: gradients sp times too large (DeepSpeed's own SP loss aggregation under ZeRO-1/2),
     or a ZeRO-3 gather that sees only the local shard, with dp=2 x sp=2."""
     spawn(_worker, 4, timeout_s=600)

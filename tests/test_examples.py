@@ -31,7 +31,7 @@ def torchrun_sp2(tmp_path_factory):
 
 
 def test_torchrun_example_sp2_matches_one_process_step_by_step(torchrun_sp2):
-    """Catches an SP training loop whose optimizer trajectory drifts from one process (wrong loss
+    """Bug caught: an SP training loop whose optimizer trajectory drifts from one process (wrong loss
     scale, lost targets at shard boundaries, SP ranks reading different data)."""
     _, sp = torchrun_sp2
     single = run_torchrun(1, "--sp-size", "1", "--steps", "3")
@@ -43,7 +43,7 @@ def test_torchrun_example_sp2_matches_one_process_step_by_step(torchrun_sp2):
 
 
 def test_torchrun_example_resume_matches_uninterrupted_run(torchrun_sp2):
-    """Catches a resume that replays the first batches, drops the optimizer's moments or the step
+    """Bug caught: a resume that replays the first batches, drops the optimizer's moments or the step
     count: after loading the state saved at step 1, steps 2 and 3 must equal the run that went on."""
     ckpt, sp = torchrun_sp2
     resumed = run_torchrun(2, "--sp-size", "2", "--steps", "3", "--resume-from", str(ckpt))

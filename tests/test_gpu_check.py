@@ -22,7 +22,7 @@ def _load():
 
 
 def test_gpu_check_dry_run_runs_every_step_and_writes_one_json(tmp_path):
-    """Catches a step whose command no longer runs (bench flags, test path, ablation script), a
+    """Bug caught: a step whose command no longer runs (bench flags, test path, ablation script), a
     JSON without the per-step results, GPU tests that run (instead of skipping) without CUDA, and
     a bench whose chunked system disagrees with one process on the loss."""
     out = tmp_path / "gpu_check.json"
@@ -45,7 +45,7 @@ def test_gpu_check_dry_run_runs_every_step_and_writes_one_json(tmp_path):
 
 
 def test_gpu_check_refuses_to_run_without_cuda_unless_dry_run(tmp_path):
-    """Catches the script silently measuring CPU numbers and labelling them as a GPU check."""
+    """Bug caught: the script silently measuring CPU numbers and labelling them as a GPU check."""
     import torch
 
     if torch.cuda.is_available():

@@ -20,7 +20,7 @@ KERNELS = ["sdpa", "flex_attention"] + [
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("window", [None, 64])
 def test_cuda_kernel_matches_eager_with_documents(kernel, window):
-    """Catches wrong cu_seqlens, window_size or block masks in the CUDA kernel adapters."""
+    """Bug caught: wrong cu_seqlens, window_size or block masks in the CUDA kernel adapters."""
     B, n, k, S, H = 2, 8, 2, 512, 64
     torch.manual_seed(0)
     q, kk, v = (torch.randn(B, h, S, H, device="cuda", dtype=torch.bfloat16, requires_grad=True) for h in (n, k, k))
@@ -38,7 +38,7 @@ def test_cuda_kernel_matches_eager_with_documents(kernel, window):
 
 @pytest.mark.parametrize("window", [None, 64])
 def test_cuda_ring_block_kernel_in_row_tiles_matches_eager(window, monkeypatch):
-    """Catches the ring's explicit block kernel (every block on CUDA, in tiles of query rows) going wrong
+    """Bug caught: the ring's explicit block kernel (every block on CUDA, in tiles of query rows) going wrong
     on the device: one RingAttention block (no group) with packed documents against eager in fp32."""
     import ulysses_sp.attention.ring as ring_module
     from ulysses_sp.attention import RingAttention
@@ -61,7 +61,7 @@ def test_cuda_ring_block_kernel_in_row_tiles_matches_eager(window, monkeypatch):
 
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_cuda_kernel_materialises_no_scores(kernel):
-    """Catches a kernel adapter that builds an S x S tensor on the GPU (e.g. flex_attention run
+    """Bug caught: a kernel adapter that builds an S x S tensor on the GPU (e.g. flex_attention run
     uncompiled, whose reference path materialises the (B, n, S, S) scores, or a dense mask)."""
     B, n, k, S, H = 1, 4, 2, 16384, 64
     torch.manual_seed(0)
@@ -83,7 +83,7 @@ def test_cuda_kernel_materialises_no_scores(kernel):
 
 @pytest.mark.parametrize("window", [None, 64])
 def test_cuda_flex_sinks_forward_and_backward_match_eager(window):
-    """Catches a flex sink renormalisation whose gradient is wrong on the device (the log-sum-exp
+    """Bug caught: a flex sink renormalisation whose gradient is wrong on the device (the log-sum-exp
     gradient of compiled flex, the sinks' own gradient): compiled flex with sinks against eager
     with sinks in fp32, packed documents, output and the gradients of q, k, v and the sinks."""
     B, n, k, S, H = 2, 8, 2, 512, 64

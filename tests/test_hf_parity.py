@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from dist_helper import spawn
+from reference import document_starts, reference_step
 from tiny_models import tiny_batch, tiny_model
 from ulysses_sp import GlobalMask, SPMesh, UlyssesSPConfig
 from ulysses_sp.integrations.transformers import UlyssesSP
@@ -20,22 +21,11 @@ from ulysses_sp.loss import global_num_items, reported_loss
 
 
 def reference(family, kind, checkpointing=False):
-    model = tiny_model(family)
-    if checkpointing:
-        model.gradient_checkpointing_enable()
-        model.train()
     batch = tiny_batch(kind)
     labels = batch.get("labels", batch["input_ids"])
-    if kind == "packed":
-        pos = batch["position_ids"][0]
-        starts = (pos == 0).nonzero().flatten().tolist() + [pos.numel()]
-        ids = batch["input_ids"]
-        logits = torch.cat([model(input_ids=ids[:, a:e]).logits for a, e in zip(starts[:-1], starts[1:])], 1)
-        loss = F.cross_entropy(logits[0, :-1], labels[0, 1:])
-    else:
-        loss = model(**{k: v for k, v in batch.items() if k != "labels"}, labels=labels).loss
-    loss.backward()
-    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+    starts = document_starts(batch["position_ids"][0]) if kind == "packed" else None
+    return reference_step(tiny_model(family), {k: v for k, v in batch.items() if k != "labels"}, labels,
+                          starts=starts, checkpointing=checkpointing)
 
 
 def sp_run(family, kind, mesh, checkpointing=False, tiled_mlp_tokens=None, tiled_loss_tokens=None, backend="ulysses",
@@ -247,7 +237,7 @@ def _worker(rank, world):
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_loss_and_every_gradient_match_one_process(world):
-    """Catches any model family whose attention arguments (sliding window, softcap, scaling, q/k
+    """Bug caught: any model family whose attention arguments (sliding window, softcap, scaling, q/k
     norm, fused qkv, GQA with K < P) or batch handling (padding, packed documents, S % P != 0,
     shift at shard boundaries) differ under SP from one process; P=1 must equal plain transformers.
     P=2 also covers gradient checkpointing and the error for a batch without the global mask.
@@ -272,7 +262,7 @@ def test_ulysses_x_ring_with_more_ranks_than_heads_at_8_ranks():
 
 
 def test_unsupported_models_are_refused_at_registration():
-    """Catches silently wrong training of models whose token mixing Ulysses cannot shard."""
+    """Bug caught: silently wrong training of models whose token mixing Ulysses cannot shard."""
     import transformers as tf
 
     class FakeMesh:

@@ -33,7 +33,7 @@ def _inputs(N, K, P, B=2, s=3, H=4, Hv=5):
 
 @pytest.mark.parametrize("N,K,P", CONFIGS)
 def test_qkv_exchange_delivers_exactly_the_heads_each_rank_uses(N, K, P):
-    """Catches a wrong head split or a receiver placing a source's tokens at the wrong offset."""
+    """Bug caught: a wrong head split or a receiver placing a source's tokens at the wrong offset."""
     plan = HeadPlan(N, K, P)
     q, k, v, (B, s, H, Hv) = _inputs(N, K, P)
     shard = lambda t, r: t[:, :, r * s : (r + 1) * s]  # noqa: E731
@@ -52,7 +52,7 @@ def test_qkv_exchange_delivers_exactly_the_heads_each_rank_uses(N, K, P):
 
 @pytest.mark.parametrize("N,K,P", CONFIGS)
 def test_out_exchange_restores_token_layout(N, K, P):
-    """Catches an output exchange that mixes up heads or token shards on the way back."""
+    """Bug caught: an output exchange that mixes up heads or token shards on the way back."""
     plan = HeadPlan(N, K, P)
     B, s, Hv = 2, 3, 5
     o = torch.randn(B, P * s, N, Hv, dtype=torch.float64)
@@ -68,8 +68,8 @@ def _dot(xs, ys):
 
 @pytest.mark.parametrize("N,K,P", CONFIGS)
 def test_backward_layouts_are_exact_adjoints(N, K, P):
-    """Dot-product test <A x, y> == <x, A^T y>: catches a backward that drops or double-counts
-    the gradient of a kv head sent to several ranks."""
+    """Bug caught: a backward that drops or double-counts the gradient of a kv head sent to several
+    ranks (dot-product test <A x, y> == <x, A^T y>)."""
     plan = HeadPlan(N, K, P)
     q, k, v, (B, s, H, Hv) = _inputs(N, K, P)
     shard = lambda t, r: t[:, :, r * s : (r + 1) * s]  # noqa: E731
@@ -96,7 +96,7 @@ def test_backward_layouts_are_exact_adjoints(N, K, P):
 
 
 def test_uneven_split_sizes_differ_by_at_most_one():
-    """Catches an uneven split that overloads one rank (or leaves one without heads)."""
+    """Bug caught: an uneven split that overloads one rank (or leaves one without heads)."""
     for N, P in itertools.product(range(1, 17), range(1, 9)):
         if P > N:
             continue
@@ -110,13 +110,14 @@ def test_uneven_split_sizes_differ_by_at_most_one():
      (8, 8, 0, "sp_size must be >= 1")],
 )
 def test_invalid_plans_raise_with_the_fix(N, K, P, match):
-    """Catches silently accepting a head layout Ulysses cannot split."""
+    """Bug caught: silently accepting a head layout Ulysses cannot split."""
     with pytest.raises(ValueError, match=match):
         HeadPlan(N, K, P)
 
 
 def test_irregular_local_grouping_is_detected():
-    """N=8, K=2, P=3: rank 1 holds q3..q5, reading kv0 once and kv1 twice: not a uniform GQA group."""
+    """Bug caught: an irregular local grouping taken for a uniform GQA group (N=8, K=2, P=3: rank 1
+    holds q3..q5, reading kv0 once and kv1 twice)."""
     plan = HeadPlan(8, 2, 3)
     assert plan.q_ranges == ((0, 3), (3, 6), (6, 8))
     assert plan.local_group_size(0) == 3 and plan.local_group_size(1) is None and plan.local_group_size(2) == 2

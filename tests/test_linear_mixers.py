@@ -13,10 +13,10 @@ the chunked scans carry state across chunks and across shard boundaries.
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 import transformers as tf
 
 from dist_helper import spawn
+from reference import document_starts, reference_step
 from ulysses_sp import SPMesh, UlyssesSPConfig
 from ulysses_sp.integrations.transformers import UlyssesSP, check_model_support
 from ulysses_sp.loss import global_num_items, reported_loss
@@ -87,23 +87,11 @@ def hybrid_batch(kind: str) -> dict:
 
 
 def reference(family, kind, checkpointing=False):
-    model = hybrid_model(family)
-    if checkpointing:
-        model.gradient_checkpointing_enable()
-        model.train()
     batch = hybrid_batch(kind)
     labels = batch.get("labels", batch["input_ids"])
-    if kind == "packed":
-        pos = batch["position_ids"][0]
-        starts = (pos == 0).nonzero().flatten().tolist() + [pos.numel()]
-        logits = torch.cat([model(input_ids=batch["input_ids"][:, a:e], use_cache=False).logits
-                            for a, e in zip(starts[:-1], starts[1:])], 1)
-        loss = F.cross_entropy(logits[0, :-1], labels[0, 1:])
-    else:
-        inputs = {k: v for k, v in batch.items() if k != "labels"}
-        loss = model(**inputs, labels=labels, use_cache=False).loss
-    loss.backward()
-    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+    starts = document_starts(batch["position_ids"][0]) if kind == "packed" else None
+    return reference_step(hybrid_model(family), {k: v for k, v in batch.items() if k != "labels"}, labels,
+                          starts=starts, checkpointing=checkpointing, use_cache=False)
 
 
 def sp_run(family, kind, mesh, sp_mixers=True, checkpointing=False):
@@ -186,7 +174,7 @@ def _worker(rank, world):
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
 def test_hybrid_loss_and_every_gradient_match_one_process(world):
-    """Catches a linear-attention / SSM layer that mixes only its shard, a wrong head or key-head /
+    """Bug caught: a linear-attention / SSM layer that mixes only its shard, a wrong head or key-head /
     group split (uneven value / SSM heads at P=3/4, fewer key heads / groups than ranks), a conv
     channel slice that does not match the heads, padding leaking into real tokens (right and left),
     a state carried across packed documents, and S % P != 0. P=1 must equal plain transformers."""
@@ -194,7 +182,7 @@ def test_hybrid_loss_and_every_gradient_match_one_process(world):
 
 
 def test_check_model_support_accepts_supported_hybrids_and_refuses_others():
-    """Catches a hybrid whose token mixing has no SP forward slipping through (it would train on
+    """Bug caught: a hybrid whose token mixing has no SP forward slipping through (it would train on
     shard-local recurrences), and supported ones being refused."""
     for family in FAMILIES:
         assert check_model_support(hybrid_model(family), UlyssesSPConfig(sp_size=4)) == "sdpa"

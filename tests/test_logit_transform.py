@@ -37,6 +37,6 @@ def _unknown_transform_worker(rank, world):
 
 
 def test_an_unknown_logit_transform_is_refused():
-    """Catches a model whose logits are changed after lm_head in a way the tiles do not apply (here
+    """Bug caught: a model whose logits are changed after lm_head in a way the tiles do not apply (here
     an offset): the first tiled forward compares the model's output with the expected one and raises."""
     spawn(_unknown_transform_worker, 1)

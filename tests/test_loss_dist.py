@@ -106,14 +106,14 @@ def _worker(rank: int, world: int, cases: list[tuple]) -> None:
 
 
 def test_sharded_loss_matches_single_process_world2() -> None:
-    """Bugs caught: per-rank mean instead of global token mean, a missing or wrong world factor
+    """Bug caught: per-rank mean instead of global token mean, a missing or wrong world factor
     (grads off by P after DDP's average), shard-boundary targets lost, padding trained on, NaN from
     a rank (or a whole batch) with no valid tokens, tokens counted over the wrong group (dp2 sp1)."""
     spawn(_worker, 2, CASES_2)
 
 
 def test_sharded_loss_matches_single_process_world4() -> None:
-    """Bugs caught: as world 2 at P=4, plus dp x sp: the count must cover every replica's batch and
+    """Bug caught: as world 2 at P=4, plus dp x sp: the count must cover every replica's batch and
     every gradient-accumulation micro-step, and SP ranks' contributions must be summed, not averaged."""
     spawn(_worker, 4, CASES_4)
 

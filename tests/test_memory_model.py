@@ -24,7 +24,7 @@ MIB = 2**20
     tf.MixtralConfig(**LLAMA, num_local_experts=4, num_experts_per_tok=2),
 ], ids=["llama", "llama_tied", "qwen3_head_dim", "mixtral"])
 def test_param_count_matches_transformers(config):
-    """Catches a wrong size formula (GQA k/v, decoupled head_dim, tied embeddings, MoE experts and
+    """Bug caught: a wrong size formula (GQA k/v, decoupled head_dim, tied embeddings, MoE experts and
     router): the grads and static terms scale with it."""
     model = tf.AutoModelForCausalLM.from_config(config)
     dims = ModelDims.from_config(config)
@@ -35,7 +35,7 @@ def test_param_count_matches_transformers(config):
 
 
 def test_saved_bytes_per_token_of_a_layer_match_the_counted_term():
-    """Catches a wrong activation coefficient: the model's per-layer saved term (no checkpointing:
+    """Bug caught: a wrong activation coefficient: the model's per-layer saved term (no checkpointing:
     (4D + 3NH + 2KH + 4I) * e per token, plus the layer input) against the storages autograd
     really saves in a GQA Llama layer (parameters excluded; cos/sin are shared by all layers)."""
     cfg = tf.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
@@ -63,7 +63,7 @@ def test_saved_bytes_per_token_of_a_layer_match_the_counted_term():
 
 
 def test_feature_terms_scale_as_documented():
-    """Catches features that do not change the terms they should: tiled loss removes the T*V
+    """Bug caught: features that do not change the terms they should: tiled loss removes the T*V
     term, SP divides per-rank token terms by P, offload moves the checkpointed inputs to the host,
     and on a CPU-only machine offload frees nothing."""
     f = MemoryFeatures
@@ -85,7 +85,7 @@ def test_feature_terms_scale_as_documented():
 
 
 def test_longest_sequence_is_the_boundary():
-    """Catches an off-by-one search: the returned S fits, the next multiple of P*granule does not."""
+    """Bug caught: an off-by-one search: the returned S fits, the next multiple of P*granule does not."""
     features = MemoryFeatures(tiled_loss_tokens=64)
     budget = 300 * MIB
     s = longest_sequence(LLAMA, 2, torch.float32, features, budget, granule=64, include_static=False)
@@ -95,7 +95,7 @@ def test_longest_sequence_is_the_boundary():
 
 
 def test_plan_cli_preset_and_local_directory(tmp_path, capsys):
-    """Catches the plan command failing on a local model directory or a preset, recommending a
+    """Bug caught: the plan command failing on a local model directory or a preset, recommending a
     rung that does not fit, or exiting 0 when nothing fits."""
     assert cli_main(["plan", "--model", "llama-3-8b", "--seq-len", "131072", "--sp-size", "8", "--budget-gib", "24",
                      "--state-shards", "8"]) == 0

@@ -19,7 +19,7 @@ def mf():
 
 
 def test_llama_is_exact_and_bloom_refused_through_worker(mf):
-    """Catches a script whose statuses do not come from the check: Llama must run both scenarios in
+    """Bug caught: a script whose statuses do not come from the check: Llama must run both scenarios in
     the worker process (SP ranks spawned, loss and gradients compared) and match; Bloom (ALiBi, no
     AttentionInterface) must be refused up front with check_model_support's reason, never run."""
     llama, bloom = mf.check_families(["llama", "bloom"], time_limit_s=120, progress=False)
@@ -33,14 +33,14 @@ def test_llama_is_exact_and_bloom_refused_through_worker(mf):
 
 
 def test_family_over_time_limit_is_a_defect_and_does_not_hang(mf):
-    """Catches one slow or hanging family blocking the whole run: past the time limit its worker
+    """Bug caught: one slow or hanging family blocking the whole run: past the time limit its worker
     (and the SP ranks under it) is killed and the family is reported as a DEFECT."""
     (entry,) = mf.check_families(["llama"], time_limit_s=0.01, progress=False)
     assert entry["status"] == "DEFECT" and "no result within the time limit" in entry["reason"]
 
 
 def test_docs_table_is_generated_from_the_record(mf):
-    """Catches a hand-edited or stale table: docs/models.md between the markers must be exactly what
+    """Bug caught: a hand-edited or stale table: docs/models.md between the markers must be exactly what
     render_table makes of the JSON record, the record must cover every causal-LM family of the
     installed transformers (rerun the script after upgrading), and every non-exact row has a reason."""
     record = json.loads(mf.RECORD.read_text())

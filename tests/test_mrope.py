@@ -13,10 +13,10 @@ included) equals one process's.
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 import transformers as tf
 
 from dist_helper import spawn
+from reference import reference_step
 from ulysses_sp import SPMesh, UlyssesSPConfig
 from ulysses_sp.attention import document_ids_from_position_ids
 from ulysses_sp.data.sharding import shard_batch
@@ -116,18 +116,10 @@ def vl_batch(model, kind: str, seed: int = 1) -> dict:
 def reference(family, kind):
     model = tiny_vl_model(family)
     batch = vl_batch(model, kind)
-    labels, pos = batch["labels"], batch["position_ids"]
-    if kind == "packed":
-        starts = [0, 9, 15, 23]
-        ids = batch["input_ids"]
-        logits = torch.cat([model(input_ids=ids[:, a:e], position_ids=pos[..., a:e], use_cache=False).logits
-                            for a, e in zip(starts[:-1], starts[1:])], 1)
-        loss = F.cross_entropy(logits[0, :-1], labels[0, 1:])
-    else:
-        loss = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=pos,
-                     labels=labels, use_cache=False).loss
-    loss.backward()
-    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
+    starts = [0, 9, 15, 23] if kind == "packed" else None  # the documents (3-D positions do not restart at 0)
+    return reference_step(model, inputs, batch["labels"], starts=starts, sliced=("input_ids", "position_ids"),
+                          use_cache=False)
 
 
 def sp_run(family, kind, mesh):
@@ -229,7 +221,7 @@ def _worker(rank, world):
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
 def test_mrope_loss_and_every_gradient_match_one_process(world):
-    """Catches MRoPE text towers trained differently under SP than in one process: 3-D positions
+    """Bug caught: MRoPE text towers trained differently under SP than in one process: 3-D positions
     sliced along the wrong dim or not padded with S, documents of packed rows (from the text row) or
     padding lost, Qwen3-VL's text row not reaching the model. P=1 must equal plain transformers."""
     spawn(_worker, world)
@@ -263,7 +255,7 @@ def test_bug_caught_positions_sharded_along_sequence_and_documents_from_text_row
 
 
 def test_image_batches_and_missing_rope_index_are_refused_with_the_fix():
-    """Catches an image batch or a batch without its rope index being sharded silently: each rank would
+    """Bug caught: an image batch or a batch without its rope index being sharded silently: each rank would
     merge all image features into its shard, or compute MRoPE positions from its shard only."""
     model = tiny_vl_model("qwen2_vl")
     batch = vl_batch(model, "padding")
@@ -282,7 +274,7 @@ def test_image_batches_and_missing_rope_index_are_refused_with_the_fix():
 
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def test_mrope_models_are_accepted(family):
-    """Catches MRoPE text towers refused at setup (the ForConditionalGeneration class, sdpa)."""
+    """Bug caught: MRoPE text towers refused at setup (the ForConditionalGeneration class, sdpa)."""
     assert check_model_support(tiny_vl_model(family), UlyssesSPConfig(sp_size=2)) == "sdpa"
 
 

@@ -43,7 +43,7 @@ class _null:
 
 @pytest.mark.parametrize("use_reentrant", [False, True])
 def test_loss_and_grads_equal_and_layer_inputs_offloaded(use_reentrant):
-    """Catches an offload that changes values (wrong dtype/layout on the way back), loses the grad
+    """Bug caught: an offload that changes values (wrong dtype/layout on the way back), loses the grad
     path to the layer input (reentrant), or offloads nothing / too much (counted: exactly one
     (B, S, D) hidden state per layer, each restored once)."""
     ref_loss, ref_grads, _ = loss_and_grads(use_reentrant)
@@ -57,7 +57,7 @@ def test_loss_and_grads_equal_and_layer_inputs_offloaded(use_reentrant):
 
 
 def test_device_copies_of_layer_inputs_are_freed_after_forward():
-    """Catches an offload that copies but keeps the device tensor alive too (no memory saved):
+    """Bug caught: an offload that copies but keeps the device tensor alive too (no memory saved):
     after forward, no layer input may be referenced; without offload the checkpoint keeps them
     (which proves the check can see them)."""
 
@@ -84,7 +84,7 @@ def test_device_copies_of_layer_inputs_are_freed_after_forward():
 
 
 def test_unregister_restores_and_requires_checkpointing():
-    """Catches offload silently doing nothing without checkpointing, and unregister leaving the
+    """Bug caught: offload silently doing nothing without checkpointing, and unregister leaving the
     wrapper installed (offloading forever)."""
     model = tiny_model("llama")
     with pytest.raises(ValueError, match="activation_checkpointing_enable"):
@@ -132,7 +132,7 @@ def _sp_worker(rank, world):
 
 
 def test_ulysses_sp_offload_with_tiling_matches_one_process():
-    """Catches UlyssesSP(offload_activations=True) not offloading while registered, leaving the
+    """Bug caught: UlyssesSP(offload_activations=True) not offloading while registered, leaving the
     wrapper installed after unregister, or any value/gradient change when offload, tiled MLP,
     tiled loss and SP=2 are combined (the ablation's last rung) vs one process, untiled."""
     from dist_helper import spawn

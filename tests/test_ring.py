@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from dist_helper import spawn
+from reference import allowed_reference, attention_reference
 from ulysses_sp import GlobalMask, SPMesh
 from ulysses_sp.attention import RingAttention
 
@@ -18,19 +19,6 @@ POSITIONS = torch.tensor([list(range(5)) + list(range(4)) + list(range(3)), list
 VALID = torch.tensor([[1] * 9 + [0] * 3, [0] * 2 + [1] * 10], dtype=torch.bool)  # right / left padding
 MASKS = {"causal": (False, False, None), "docs": (True, False, None), "padding": (False, True, None),
          "window": (False, False, 5), "docs+padding+window": (True, True, 4)}
-
-
-def allowed_reference(docs, padding, window):
-    """(B, S, S) bool from explicit loops, independent of GlobalMask and of ring.py."""
-    doc = [[sum(1 for t in range(1, i + 1) if POSITIONS[b, t] == 0) for i in range(S)] for b in range(B)]
-    out = torch.zeros(B, S, S, dtype=torch.bool)
-    for b in range(B):
-        for i in range(S):
-            for j in range(S):
-                ok = j <= i and (window is None or i - j < window)
-                ok = ok and (not docs or doc[b][i] == doc[b][j]) and (not padding or bool(VALID[b, j]))
-                out[b, i, j] = (i == j) if padding and not VALID[b, i] else ok
-    return out
 
 
 def make_case(N, K, seed, padding):
@@ -44,13 +32,8 @@ def make_case(N, K, seed, padding):
 
 def reference(case, mask_name):
     docs, padding, window = MASKS[mask_name]
-    q, k, v = (case[n].double().requires_grad_() for n in ("q", "k", "v"))
-    rep = q.shape[1] // k.shape[1]
-    scores = q @ k.repeat_interleave(rep, 1).transpose(2, 3) / H**0.5
-    scores = scores.masked_fill(~allowed_reference(docs, padding, window)[:, None], float("-inf"))
-    o = (torch.softmax(scores, -1) @ v.repeat_interleave(rep, 1)).transpose(1, 2)
-    (o * case["g"].double()).sum().backward()
-    return o.detach(), q.grad, k.grad, v.grad
+    allowed = allowed_reference(POSITIONS, VALID, docs, padding, window)
+    return attention_reference(case["q"], case["k"], case["v"], case["g"], allowed)
 
 
 def run_ring(case, mask_name, mesh, dtype):
@@ -103,14 +86,14 @@ CASES = {1: [(8, 2, "causal", torch.float32), (8, 2, "docs+padding+window", torc
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_ring_attention_matches_single_process(world):
-    """Catches a wrong block order or source rank, a bad log-sum-exp merge, a skipped or extra
+    """Bug caught: a wrong block order or source rank, a bad log-sum-exp merge, a skipped or extra
     block under causal / document / padding / window masks, GQA head grouping errors, and a
     backward whose dk/dv accumulators miss a hop or return to the wrong owner."""
     spawn(_worker, world, CASES[world])
 
 
 def test_ring_attention_refuses_softcap():
-    """Catches silently ignoring logit softcapping (a model using it would train on wrong attention)."""
+    """Bug caught: silently ignoring logit softcapping (a model using it would train on wrong attention)."""
     q = torch.randn(1, 2, 4, 8)
     with pytest.raises(ValueError, match="softcapping"):
         RingAttention(None)(q, q, q, softcap=1.0)

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from dist_helper import spawn
+from reference import reference_step
 from test_hf_parity import sp_run
 from tiny_models import tiny_batch, tiny_model
 from ulysses_sp import SPMesh
@@ -30,9 +31,7 @@ def reference(family, kind):
         S = doc.shape[1]
         causal = torch.ones(S, S, dtype=torch.bool).tril()
         batch["attention_mask"] = ((doc[:, :, None] == doc[:, None, :]) & causal)[:, None]
-    loss = model(**{k: v for k, v in batch.items() if k != "labels"}, labels=labels).loss
-    loss.backward()
-    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+    return reference_step(model, {k: v for k, v in batch.items() if k != "labels"}, labels)
 
 
 def _worker(rank, world, plan):
@@ -60,7 +59,7 @@ def test_length_dependent_rope_sees_the_global_length(world):
 
 
 def test_only_length_dependent_rotary_modules_are_hooked():
-    """Catches the hooks landing on rotary embeddings whose frequencies do not depend on the length."""
+    """Bug caught: the hooks landing on rotary embeddings whose frequencies do not depend on the length."""
     hooked = {f: [type(m).__name__ for m in tiny_model(f).modules() if length_dependent_rope(m)]
               for f in ("phi3_longrope", "llama_dynamic", "llama", "gemma3")}
     assert hooked == {"phi3_longrope": ["Phi3RotaryEmbedding"], "llama_dynamic": ["LlamaRotaryEmbedding"],

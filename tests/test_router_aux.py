@@ -55,6 +55,6 @@ def _mismatch_worker(rank, world):
 
 
 def test_a_different_aux_rule_is_refused_not_replaced():
-    """Catches an aux loss silently replaced by ours for a model whose own rule differs: the first
+    """Bug caught: an aux loss silently replaced by ours for a model whose own rule differs: the first
     call compares our formula on the shard with the model's own aux_loss and raises."""
     spawn(_mismatch_worker, 2)

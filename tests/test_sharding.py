@@ -142,7 +142,7 @@ def test_padding_to_multiple_of_sp_size_repeats_the_last_token_by_default() -> N
 
 
 def test_pre_shifted_labels_are_used_and_token_types_sliced() -> None:
-    """Catches ``shift_labels`` (pre-shifted, as transformers' loss and Accelerate's context
+    """Bug caught: ``shift_labels`` (pre-shifted, as transformers' loss and Accelerate's context
     parallelism take them) being ignored for labels rebuilt from ``input_ids`` (completion-only
     masks lost: the loss of every token), and ``token_type_ids`` being dropped instead of sliced."""
     ids = torch.arange(1, 8)[None]  # S=7, P=2: padded to 8

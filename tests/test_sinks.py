@@ -51,7 +51,7 @@ def _reference(q, kk, v, sinks, mask: GlobalMask, window):
 
 @pytest.mark.parametrize("case", list(_masks()))
 def test_eager_sinks_match_transformers_gpt_oss_forward_and_backward(case):
-    """Catches a sink added to the wrong head, or to the scores instead of the denominator, or a
+    """Bug caught: a sink added to the wrong head, or to the scores instead of the denominator, or a
     sink gradient of the wrong sign: eager with sinks equals GPT-OSS's own eager attention in
     output and in the gradients of q, k, v and the sinks, under causal, window, packed and padded masks."""
     mask, window = _masks()[case]
@@ -71,7 +71,7 @@ def test_eager_sinks_match_transformers_gpt_oss_forward_and_backward(case):
 
 @pytest.mark.parametrize("case", list(_masks()))
 def test_flex_sinks_renormalise_like_eager(case):
-    """Catches a flex sink factor with the wrong sign or head order (sigmoid(lse - sink)): flex
+    """Bug caught: a flex sink factor with the wrong sign or head order (sigmoid(lse - sink)): flex
     (forward only on CPU; its backward runs in the GPU tests) equals eager with sinks."""
     mask, window = _masks()[case]
     q, kk, v, sinks = _inputs(torch.float32, grad=False)
@@ -82,7 +82,7 @@ def test_flex_sinks_renormalise_like_eager(case):
 
 
 def test_sdpa_refuses_sinks_and_flash_sink_argument_is_found_by_name():
-    """Catches sinks silently dropped by a kernel that cannot apply them (SDPA), and a flash build
+    """Bug caught: sinks silently dropped by a kernel that cannot apply them (SDPA), and a flash build
     without a sink argument being called with one."""
     q, kk, v, sinks = _inputs(torch.float32, grad=False)
     with pytest.raises(ValueError, match="SDPA cannot apply attention sinks.*flex_attention"):
@@ -98,7 +98,7 @@ def test_sdpa_refuses_sinks_and_flash_sink_argument_is_found_by_name():
 
 
 def test_models_with_sinks_are_checked_per_kernel_and_backend():
-    """Catches a GPT-OSS model accepted with a kernel or backend that would drop its sinks (SDPA,
+    """Bug caught: a GPT-OSS model accepted with a kernel or backend that would drop its sinks (SDPA,
     FA2 without sinks, ring attention), and one refused with the kernels that apply them."""
     model = tiny_model("gpt_oss")
     assert check_model_support(model, UlyssesSPConfig(sp_size=2)) == "eager"

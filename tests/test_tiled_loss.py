@@ -51,7 +51,7 @@ def _loss_and_grads(fn, tensors):
 @pytest.mark.parametrize("tile", [1, 5, 7, 26, 64])
 @pytest.mark.parametrize("cap", [None, 3.0])
 def test_tiled_matches_untiled_fp32(tile, cap):
-    """Catches wrong tile bounds (tiles not dividing T dropping or repeating tokens), a wrong
+    """Bug caught: wrong tile bounds (tiles not dividing T dropping or repeating tokens), a wrong
     softmax-minus-onehot gradient, ignored tokens leaking gradient, a missing softcap derivative
     (1 - tanh^2), grad_W summed over only one tile, and a missing or unscaled bias gradient."""
     hidden, weight, b, labels = _inputs()
@@ -71,7 +71,7 @@ def test_tiled_matches_untiled_fp32(tile, cap):
 
 
 def test_tensor_num_items_and_frozen_weight():
-    """Catches a crash or wrong scale when N is a 0-d tensor (no host sync path), and grads
+    """Bug caught: a crash or wrong scale when N is a 0-d tensor (no host sync path), and grads
     computed for / returned to a frozen lm_head (LoRA: W.requires_grad=False, hidden still needs one)."""
     hidden, weight, _, labels = _inputs(bias=False, ignore_from=10)
     weight.requires_grad_(False)
@@ -87,7 +87,7 @@ def test_tensor_num_items_and_frozen_weight():
 
 @pytest.mark.parametrize("num_items", [0, 7])
 def test_all_ignored_is_exact_zero(num_items):
-    """Catches NaN (0/0) on a rank whose tokens are all ignored, and a loss detached from the graph
+    """Bug caught: NaN (0/0) on a rank whose tokens are all ignored, and a loss detached from the graph
     (backward must still run there: under SP it carries the all-to-alls)."""
     hidden, weight, b, labels = _inputs(ignore_from=0, seed=1)
     loss = tiled_token_loss(
@@ -101,7 +101,7 @@ def test_all_ignored_is_exact_zero(num_items):
 
 
 def test_tiled_matches_untiled_bf16():
-    """Catches dtype bugs in the low-precision path: CE not upcast to fp32, grads returned in the
+    """Bug caught: dtype bugs in the low-precision path: CE not upcast to fp32, grads returned in the
     wrong dtype, or grad_W accumulated across tiles with a large rounding error."""
     hidden, weight, b, labels = _inputs(dtype=torch.bfloat16)
     num_items = int((labels != IGNORE).sum())
@@ -135,7 +135,7 @@ def _saved_numels(fn):
 
 
 def test_no_full_logits_saved_for_backward():
-    """Catches the tiled path keeping (T, V)-sized tensors alive until backward (logits, their fp32
+    """Bug caught: the tiled path keeping (T, V)-sized tensors alive until backward (logits, their fp32
     copy or the softmax), i.e. the memory saving silently lost. The untiled reference is checked to
     save such a tensor, proving the hook sees what it should."""
     hidden, weight, b, labels = _inputs()
@@ -153,7 +153,7 @@ def test_no_full_logits_saved_for_backward():
 
 
 def test_bad_arguments_raise():
-    """Catches silent misuse: mismatched label shape, a (D, V) weight, or a non-positive tile size."""
+    """Bug caught: silent misuse: mismatched label shape, a (D, V) weight, or a non-positive tile size."""
     hidden, weight, _, labels = _inputs(bias=False)
     with pytest.raises(ValueError, match="shift_labels"):
         tiled_token_loss(hidden, weight, labels[:, 1:], 5, grad_average_world=1)
@@ -164,7 +164,7 @@ def test_bad_arguments_raise():
 
 
 def test_grad_out_retain_graph_and_no_grad():
-    """Catches gradients formed in forward that ignore grad_out (the loss scaled by 0.3 before
+    """Bug caught: gradients formed in forward that ignore grad_out (the loss scaled by 0.3 before
     backward), that a first backward consumes (retain_graph: a second backward adds them again),
     and an evaluation forward (no_grad) that disagrees with the training one."""
     hidden, weight, b, labels = _inputs()

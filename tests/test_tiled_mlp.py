@@ -55,20 +55,20 @@ def assert_same(ref, got):
 
 
 def test_llama_loss_and_every_grad_match_untiled():
-    """Catches a dropped/duplicated last (short) tile, grads of only one tile, or param grads
+    """Bug caught: a dropped/duplicated last (short) tile, grads of only one tile, or param grads
     counted twice (returned and also accumulated into .grad by hand)."""
     assert_same(llama_loss_and_grads(), llama_loss_and_grads(tile_tokens=5))
 
 
 @pytest.mark.parametrize("use_reentrant", [True, False])
 def test_llama_with_gradient_checkpointing(use_reentrant):
-    """Catches a Function that breaks under checkpoint recompute (non-reentrant: saved-tensor count
+    """Bug caught: a Function that breaks under checkpoint recompute (non-reentrant: saved-tensor count
     mismatch between forward and recompute; reentrant: forward first run under no_grad)."""
     assert_same(llama_loss_and_grads(), llama_loss_and_grads(tile_tokens=5, checkpointing=use_reentrant))
 
 
 def test_frozen_params_get_no_grad():
-    """Catches a frozen MLP weight receiving a gradient (or a crash in backward's index mapping
+    """Bug caught: a frozen MLP weight receiving a gradient (or a crash in backward's index mapping
     between the params that need grad and those returned)."""
     freeze = ("up_proj", "layers.0.mlp.down_proj")
     assert_same(llama_loss_and_grads(freeze=freeze), llama_loss_and_grads(tile_tokens=5, freeze=freeze))
@@ -76,7 +76,7 @@ def test_frozen_params_get_no_grad():
 
 @pytest.mark.parametrize("num_tiles", [1, 2, 5, S, 100])
 def test_function_any_tile_count(num_tiles):
-    """Catches wrong split arithmetic: one tile, uneven tiles, one token per tile, more tiles than tokens."""
+    """Bug caught: wrong split arithmetic: one tile, uneven tiles, one token per tile, more tiles than tokens."""
     torch.manual_seed(0)
     mlp = GatedMLP()
     x = torch.randn(3, S, 16, requires_grad=True)
@@ -91,7 +91,7 @@ def test_function_any_tile_count(num_tiles):
 
 
 def test_param_grad_accumulates_once_per_backward():
-    """Catches grads written into .grad per tile AND returned (doubling), and accumulation once
+    """Bug caught: grads written into .grad per tile AND returned (doubling), and accumulation once
     per tile, which would make DDP/FSDP/ZeRO (hooks after grad accumulation) reduce once per tile."""
     torch.manual_seed(0)
     mlp = GatedMLP()
@@ -109,7 +109,7 @@ def test_param_grad_accumulates_once_per_backward():
 
 
 def test_no_full_intermediate_activation_saved():
-    """Catches the memory bug: (B, s, intermediate) activations kept for backward, in the forward
+    """Bug caught: the memory bug: (B, s, intermediate) activations kept for backward, in the forward
     or in the backward recompute. The untiled run proves the check can see them."""
     model = tiny_model("llama")
     inter = model.config.intermediate_size
@@ -134,7 +134,7 @@ def test_no_full_intermediate_activation_saved():
 
 
 def test_apply_remove_keeps_state_dict_keys_and_outputs():
-    """Catches renamed checkpoint keys (...mlp.mlp.up_proj) after wrapping, double wrapping on a
+    """Bug caught: renamed checkpoint keys (...mlp.mlp.up_proj) after wrapping, double wrapping on a
     second apply, and remove not restoring the original modules."""
     model = tiny_model("llama")
     keys, originals = list(model.state_dict()), [layer.mlp for layer in model.model.layers]
@@ -150,13 +150,13 @@ def test_apply_remove_keeps_state_dict_keys_and_outputs():
 
 
 def test_invalid_tile_tokens():
-    """Catches a silent zero/negative tile size (infinite loop or empty output)."""
+    """Bug caught: a silent zero/negative tile size (infinite loop or empty output)."""
     with pytest.raises(ValueError, match="tile_tokens"):
         TiledMLP(GatedMLP(), 0)
 
 
 def test_input_without_grad_and_inference():
-    """Catches backward assuming x requires grad (frozen layers below the MLP) and a crash or
+    """Bug caught: backward assuming x requires grad (frozen layers below the MLP) and a crash or
     different output when tiled under torch.no_grad (inference)."""
     torch.manual_seed(0)
     mlp = GatedMLP()
@@ -211,7 +211,7 @@ def moe_run(family, tile_tokens=None, checkpointing=False):
 
 @pytest.mark.parametrize("family,checkpointing", [("mixtral", False), ("qwen2_moe", True), ("qwen3_moe", False)])
 def test_moe_loss_aux_loss_router_logits_and_grads_match_untiled(family, checkpointing):
-    """Catches router logits recorded once per tile or without a grad path (aux loss gradient to
+    """Bug caught: router logits recorded once per tile or without a grad path (aux loss gradient to
     the router lost: the gate weight grad would differ), rows of the (B*S, E) logits in the wrong
     order (tile boundaries crossing batch rows), a dropped last tile, and expert grads counted
     twice. Tiles of 2*4 rows do not divide B*S = 46."""
@@ -232,7 +232,7 @@ def test_moe_loss_aux_loss_router_logits_and_grads_match_untiled(family, checkpo
 
 
 def test_moe_tiles_run_keys_kept_and_router_jitter_refused():
-    """Catches a tiled MoE that silently runs untiled (the experts must see tile-sized inputs),
+    """Bug caught: a tiled MoE that silently runs untiled (the experts must see tile-sized inputs),
     changed state_dict keys (e.g. the router registered twice), and jitter noise (random, not
     recomputable) accepted."""
     from ulysses_sp.memory import TiledMoE
@@ -288,7 +288,7 @@ def _ddp_moe_worker(rank, world):
 
 
 def test_moe_under_ddp_and_fsdp2_different_tile_counts_per_rank():
-    """Catches a deadlock or wrong reduction when DDP / FSDP2 ranks run different numbers of MoE
+    """Bug caught: a deadlock or wrong reduction when DDP / FSDP2 ranks run different numbers of MoE
     tiles (a collective per tile would hang; grads accumulated per tile would trigger the
     reduction hooks more than once; FSDP2 resharding between forward and the tiled backward
     would break the recompute) and averaged grads differing from one process on both batches."""

@@ -32,7 +32,7 @@ def _case(B=2, s=37, V=301, dtype=torch.float32, ignored=(0, 5, 36), seed=0):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tensor_count", [False, True])
 def test_fused_matches_autograd(dtype, tensor_count):
-    """Catches a wrong target column, an ignored row with a gradient, a missing N / W scale or a
+    """Bug caught: a wrong target column, an ignored row with a gradient, a missing N / W scale or a
     dropped grad_out factor (the loss is multiplied by 2.5 before backward)."""
     logits, labels = _case(dtype=dtype)
     count = torch.tensor(61) if tensor_count else 61
@@ -52,7 +52,7 @@ def test_fused_matches_autograd(dtype, tensor_count):
 
 
 def test_extreme_logits_and_all_ignored():
-    """Catches a log-sum-exp that underflows (a target 200 below the row's top logit must cost ~200,
+    """Bug caught: a log-sum-exp that underflows (a target 200 below the row's top logit must cost ~200,
     not inf) and a rank without valid tokens getting NaN instead of an exact 0 in the graph."""
     logits = torch.zeros(1, 2, 5)
     logits[0, :, 0] = 200.0
@@ -69,7 +69,7 @@ def test_extreme_logits_and_all_ignored():
 
 
 def test_retain_graph_twice_and_no_grad_path():
-    """Catches a backward that consumes its saved gradient (a second backward with retain_graph
+    """Bug caught: a backward that consumes its saved gradient (a second backward with retain_graph
     must add the same gradient again), and the no-grad path (eval) disagreeing with the fused one."""
     logits, labels = _case()
     x = logits.clone().requires_grad_()
@@ -88,7 +88,7 @@ def test_retain_graph_twice_and_no_grad_path():
 
 
 def test_loss_paths_benchmark_runs(capsys):
-    """Catches benchmarks/loss_paths.py rotting (a renamed public name or a variant whose loss no
+    """Bug caught: benchmarks/loss_paths.py rotting (a renamed public name or a variant whose loss no
     longer equals autograd's: the script checks every variant before timing it)."""
     import importlib.util
     from pathlib import Path

@@ -40,7 +40,7 @@ def _records(out):
 
 
 def test_default_task_run_writes_metrics_plot_and_loadable_checkpoint(sp2_run):
-    """Catches a run that does not learn across shards, or writes incomplete / unloadable results:
+    """Bug caught: a run that does not learn across shards, or writes incomplete / unloadable results:
     metrics.jsonl has a record per logged step with the documented fields, the accuracy on held-out
     rows (answers only in the other rank's shard) rises far above chance, the PNG is a PNG, and the
     saved checkpoint loads with from_pretrained and copies fresh rows in one process without SP."""
@@ -71,7 +71,7 @@ def test_default_task_run_writes_metrics_plot_and_loadable_checkpoint(sp2_run):
 
 
 def test_sp2_and_sp1_give_the_same_losses_on_the_same_data(sp2_run, sp1_run):
-    """Catches SP changing the training (wrong loss scale, shards of different batches, a seed that
+    """Bug caught: SP changing the training (wrong loss scale, shards of different batches, a seed that
     depends on the rank): with one data-parallel replica both runs read the same batches from the
     same init, so the losses of the first steps must agree. fp32; only summation order differs
     (all-to-all layout, per-rank weight-grad sums), observed ~1e-6 relative; 1e-4 leaves margin
@@ -112,7 +112,7 @@ def hf_dir(tmp_path_factory):
 
 
 def test_real_model_on_chat_jsonl_trains_with_sp2(hf_dir, tmp_path):
-    """Catches the real-data path breaking (tokenizer + chat template + packing + collator + SP +
+    """Bug caught: the real-data path breaking (tokenizer + chat template + packing + collator + SP +
     the memory flags): a local model directory trains 2 steps on a JSONL chat file and saves model
     and tokenizer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -136,7 +136,7 @@ def test_real_model_on_chat_jsonl_trains_with_sp2(hf_dir, tmp_path):
 
 
 def test_collator_restarts_positions_and_masks_document_starts():
-    """Catches packed documents attending to / predicting each other: position_ids restart at each
+    """Bug caught: packed documents attending to / predicting each other: position_ids restart at each
     document (the SP mask's boundaries) and a document's first token gets label -100."""
     rows = [{"input_ids": [5, 6, 7, 8, 9], "labels": [5, 6, 7, 8, 9], "seq_lengths": [3, 2]},
             {"input_ids": [4, 3], "labels": [-100, 3], "seq_lengths": [2]}]
@@ -156,7 +156,7 @@ def test_collator_restarts_positions_and_masks_document_starts():
     (["--offload-activations"], "add --activation-checkpointing"),
 ])
 def test_bad_options_exit_2_before_launch(argv, message, tmp_path, capsys):
-    """Catches bad options turning into a worker traceback, a hang or a half-written run: exit 2,
+    """Bug caught: bad options turning into a worker traceback, a hang or a half-written run: exit 2,
     a message naming the fix, and no output directory."""
     out = tmp_path / "never"
     assert main(["train", *argv, "--output-dir", str(out)]) == 2
@@ -165,7 +165,7 @@ def test_bad_options_exit_2_before_launch(argv, message, tmp_path, capsys):
 
 
 def test_missing_model_and_dataset_files_exit_2(hf_dir, tmp_path, capsys):
-    """Catches a typo in a path becoming a Hub download attempt or a traceback in the workers."""
+    """Bug caught: a typo in a path becoming a Hub download attempt or a traceback in the workers."""
     assert main(["train", "--model", str(tmp_path / "no_model"), "--output-dir", str(tmp_path / "o")]) == 2
     assert "does not exist" in capsys.readouterr().err
     argv = ["train", "--model", str(hf_dir), "--dataset", str(tmp_path / "missing.jsonl"), "--seq-len", "64",
@@ -177,14 +177,14 @@ def test_missing_model_and_dataset_files_exit_2(hf_dir, tmp_path, capsys):
 
 
 def test_help_lists_command_and_trainer_options(capsys):
-    """Catches the subcommand swallowing --help or losing the TrainingArguments options."""
+    """Bug caught: the subcommand swallowing --help or losing the TrainingArguments options."""
     assert main(["train", "--help"]) == 0
     out = capsys.readouterr().out
     assert "--sp_size" in out and "--tiled_loss_tokens" in out and "--learning_rate" in out and "--nnodes" in out
 
 
 def test_non_empty_output_dir_is_refused_and_kept(tmp_path, capsys):
-    """Catches a run overwriting (or mixing into) an earlier run's results without being asked."""
+    """Bug caught: a run overwriting (or mixing into) an earlier run's results without being asked."""
     out = tmp_path / "old"
     out.mkdir()
     (out / "metrics.jsonl").write_text("earlier\n")
@@ -194,7 +194,7 @@ def test_non_empty_output_dir_is_refused_and_kept(tmp_path, capsys):
 
 
 def test_failed_run_leaves_no_output_dir(tmp_path, capsys):
-    """Catches a failed run leaving a directory a later step would take for complete: a worker
+    """Bug caught: a failed run leaving a directory a later step would take for complete: a worker
     error (here: resuming from an empty directory that is no checkpoint; a missing path is refused
     before launch) exits 1 and only the staging directory ``DIR.incomplete`` exists, without run.json."""
     out = tmp_path / "failed"
@@ -207,7 +207,7 @@ def test_failed_run_leaves_no_output_dir(tmp_path, capsys):
 
 
 def test_multi_node_options_reach_the_elastic_launcher(tmp_path):
-    """Catches torchrun's rendezvous options being dropped or renamed on the way to the launcher:
+    """Bug caught: torchrun's rendezvous options being dropped or renamed on the way to the launcher:
     2 nodes x 2 processes with a static rendezvous on node rank 1."""
     from ulysses_sp.cli.train.launch import launch_config, plan
 
@@ -220,7 +220,7 @@ def test_multi_node_options_reach_the_elastic_launcher(tmp_path):
 
 
 def test_prompt_completion_and_text_rows_tokenize_and_pack_like_trl(hf_dir, tmp_path):
-    """Catches prompt tokens counted in the loss, a missing EOS, or packing that loses document
+    """Bug caught: prompt tokens counted in the loss, a missing EOS, or packing that loses document
     boundaries: prompt/completion rows get labels -100 on the prompt; text rows end with EOS;
     packed rows hold several documents with their lengths in seq_lengths."""
     from types import SimpleNamespace

@@ -39,7 +39,7 @@ def _lines(tmp_path):
 
 
 def test_step_record_has_trainer_keys_lr_grad_norm_memory_and_speed(tmp_path, args):
-    """Catches metrics.jsonl dropping what the Trainer logs (learning rate, grad norm: the issue's
+    """Bug caught: metrics.jsonl dropping what the Trainer logs (learning rate, grad norm: the issue's
     complaint) or our additions (tokens/s, peak memory of every rank, elapsed time)."""
     callback, state, control = _started(tmp_path, args)
     _step_log(callback, args, state, control, 1, loss=2.5, mean_token_accuracy=0.25)
@@ -53,7 +53,7 @@ def test_step_record_has_trainer_keys_lr_grad_norm_memory_and_speed(tmp_path, ar
 
 
 def test_accuracy_is_added_for_the_copy_task(tmp_path, args, monkeypatch):
-    """Catches the held-out copy-task accuracy disappearing from step records."""
+    """Bug caught: the held-out copy-task accuracy disappearing from step records."""
     monkeypatch.setattr(metrics, "answer_accuracy", lambda model, rows, ulysses: 0.75)
     callback = MetricsCallback(tmp_path / "metrics.jsonl", {"input_ids": None}, progress=False)
     callback.ulysses = object()
@@ -65,7 +65,7 @@ def test_accuracy_is_added_for_the_copy_task(tmp_path, args, monkeypatch):
 
 
 def test_every_rank_runs_the_collectives_but_only_rank_0_writes(tmp_path, args, monkeypatch):
-    """Catches a collective (memory all-gather) called on rank 0 only, which hangs a multi-rank run,
+    """Bug caught: a collective (memory all-gather) called on rank 0 only, which hangs a multi-rank run,
     and ranks other than 0 writing (interleaved) lines."""
     calls = []
     monkeypatch.setattr(metrics, "_all_gather_int", lambda value: calls.append(value) or [value, value])
@@ -78,7 +78,7 @@ def test_every_rank_runs_the_collectives_but_only_rank_0_writes(tmp_path, args, 
 
 
 def test_repeated_step_is_written_once_also_across_a_resume(tmp_path, args):
-    """Catches metrics.jsonl repeating a step: the same step logged twice, or a resumed run logging a
+    """Bug caught: metrics.jsonl repeating a step: the same step logged twice, or a resumed run logging a
     step the earlier run's file already has."""
     callback, state, control = _started(tmp_path, args)
     for step in (1, 2, 2, 3):
@@ -91,7 +91,7 @@ def test_repeated_step_is_written_once_also_across_a_resume(tmp_path, args):
 
 
 def test_eval_logs_become_eval_records_next_to_the_step_records(tmp_path, args):
-    """Catches evaluation logs (eval_loss) being dropped, or deduplicated against the train record of
+    """Bug caught: evaluation logs (eval_loss) being dropped, or deduplicated against the train record of
     the same step, or two eval datasets of one step overwriting each other."""
     callback, state, control = _started(tmp_path, args)
     _step_log(callback, args, state, control, 2)
@@ -106,7 +106,7 @@ def test_eval_logs_become_eval_records_next_to_the_step_records(tmp_path, args):
 
 
 def test_last_step_is_logged_even_when_logging_steps_skip_it(tmp_path, args):
-    """Catches a run shorter than logging_steps (or ending between two logs) writing no record, hence
+    """Bug caught: a run shorter than logging_steps (or ending between two logs) writing no record, hence
     no plot: on the step that reaches max_steps the callback asks the Trainer to log."""
     callback, state, control = _started(tmp_path, args, max_steps=5)
     state.global_step = 4
@@ -118,7 +118,7 @@ def test_last_step_is_logged_even_when_logging_steps_skip_it(tmp_path, args):
 
 
 def test_unlogged_end_gets_a_record_with_the_loss_of_the_unlogged_steps(tmp_path, args):
-    """Catches a run stopped (early) after its last log losing its final steps: the Trainer's summary
+    """Bug caught: a run stopped (early) after its last log losing its final steps: the Trainer's summary
     train_loss (mean over the run) gives the mean loss of the steps after the last log."""
     callback, state, control = _started(tmp_path, args, elapsed_offset=100.0)
     _step_log(callback, args, state, control, 2, loss=2.0)  # steps 1-2, mean 2.0
@@ -133,7 +133,7 @@ def test_unlogged_end_gets_a_record_with_the_loss_of_the_unlogged_steps(tmp_path
 
 
 def test_read_metrics_skips_a_cut_last_line_but_names_a_broken_one(tmp_path):
-    """Catches a run killed mid-write making its metrics unreadable (resume, plot), and a corrupt line
+    """Bug caught: a run killed mid-write making its metrics unreadable (resume, plot), and a corrupt line
     in the middle being skipped silently."""
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1, "loss": 1.0}\n{"step": 2, "lo')
@@ -144,7 +144,7 @@ def test_read_metrics_skips_a_cut_last_line_but_names_a_broken_one(tmp_path):
 
 
 def test_postfix_labels_gib_not_gb():
-    """Catches binary gigabytes (2**30) labelled "GB"."""
+    """Bug caught: binary gigabytes (2**30) labelled "GB"."""
     text = format_postfix({"loss": 1.0, "tokens_per_second": 5200.0, "learning_rate": 2e-4,
                            "peak_memory_bytes_per_rank": [2**30, 2**31]})
     assert text == "loss 1.000 lr 2.0e-04 tok/s 5.2k mem/rank 1.00,2.00 GiB"
@@ -163,7 +163,7 @@ def _visible_ticks(fig, ax):
 
 
 def test_plot_written_for_one_record_with_missing_keys(tmp_path):
-    """Catches the plot failing (or being skipped) for a short run's single record, or for records
+    """Bug caught: the plot failing (or being skipped) for a short run's single record, or for records
     without grad_norm / tokens/s / memory."""
     out = plot_metrics([{"split": "train", "step": 1, "loss": 7.6}], tmp_path / "m.png", "one step")
     assert out.read_bytes()[:8] == PNG_MAGIC
@@ -173,7 +173,7 @@ def test_plot_written_for_one_record_with_missing_keys(tmp_path):
 
 
 def test_small_loss_range_gets_a_readable_linear_axis_and_eval_points(tmp_path):
-    """Catches the issue's unreadable loss axis: a log scale showing one tick over 7.55-7.62; also
+    """Bug caught: the issue's unreadable loss axis: a log scale showing one tick over 7.55-7.62; also
     checks the eval loss line, the title and the panels the issue asks for."""
     records = [{"split": "train", "step": s, "loss": 7.62 - 0.01 * s, "learning_rate": 1e-4 * s, "grad_norm": 1.0,
                 "tokens_per_second": 5000.0, "peak_memory_bytes": 2**30, "peak_memory_bytes_per_rank": [2**30]}
@@ -194,7 +194,7 @@ def test_small_loss_range_gets_a_readable_linear_axis_and_eval_points(tmp_path):
 
 
 def test_wide_loss_range_uses_a_log_axis_with_several_ticks():
-    """Catches a log loss axis (copy task: 2.3 -> 0.02) left with fewer than 3 labelled ticks."""
+    """Bug caught: a log loss axis (copy task: 2.3 -> 0.02) left with fewer than 3 labelled ticks."""
     records = [{"step": s, "loss": 2.3 * 0.6**s, "accuracy": min(1.0, 0.1 * s)} for s in range(1, 11)]
     fig = metrics_figure(records, "task", chance=1 / 6)
     loss = _axis(fig, "loss")
@@ -204,7 +204,7 @@ def test_wide_loss_range_uses_a_log_axis_with_several_ticks():
 
 
 def test_record_split_of_old_and_new_records():
-    """Catches records written before the "split" field (a resumed older run) being misread."""
+    """Bug caught: records written before the "split" field (a resumed older run) being misread."""
     assert record_split({"step": 1, "loss": 1.0}) == "train"
     assert record_split({"step": 1, "eval_loss": 1.0}) == "eval"
     assert record_split({"split": "eval_code", "step": 1}) == "eval_code"

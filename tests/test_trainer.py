@@ -65,7 +65,7 @@ def runs(tmp_path_factory):
 
 
 def test_sp2_matches_plain_trainer_step_by_step(runs):
-    """Catches a wrong loss scale (Trainer's GA division or world scaling applied on top of ours),
+    """Bug caught: a wrong loss scale (Trainer's GA division or world scaling applied on top of ours),
     SP ranks reading different data or the world sharding data, targets lost at shard borders, and
     padding counted as tokens: any of them changes the logged loss or grad_norm from step 1 on."""
     _, sp, plain = runs
@@ -79,7 +79,7 @@ def test_sp2_matches_plain_trainer_step_by_step(runs):
 
 
 def test_sp2_offloads_checkpointed_layer_inputs(runs):
-    """Catches offload lost when Trainer.train() re-enables gradient checkpointing (it replaces the
+    """Bug caught: offload lost when Trainer.train() re-enables gradient checkpointing (it replaces the
     layers' checkpoint functions after UlyssesTrainer.__init__): then nothing would be offloaded."""
     _, sp, _ = runs
     stats = next(r for r in sp if "offloaded_tensors" in r)
@@ -88,7 +88,7 @@ def test_sp2_offloads_checkpointed_layer_inputs(runs):
 
 
 def test_sp2_counts_steps_epochs_and_tokens_once_per_group(runs):
-    """Catches SP ranks counted as extra data: a world-sharded dataloader halves the steps per epoch
+    """Bug caught: SP ranks counted as extra data: a world-sharded dataloader halves the steps per epoch
     (epoch doubles) and num_input_tokens_seen gathered over all ranks doubles."""
     _, sp, plain = runs
     for key in ("epoch", "num_input_tokens_seen"):
@@ -103,7 +103,7 @@ def test_sp2_counts_steps_epochs_and_tokens_once_per_group(runs):
 
 
 def test_sp2_eval_loss_matches_plain_trainer(runs):
-    """Catches an eval loss that is one rank's shard mean (not the batch's token mean) or that
+    """Bug caught: an eval loss that is one rank's shard mean (not the batch's token mean) or that
     double-counts / truncates batches when gathering duplicates from SP ranks (6 rows, batch 2)."""
     _, sp, plain = runs
     eval_sp = next(r for r in sp if "eval_loss" in r)
@@ -113,7 +113,7 @@ def test_sp2_eval_loss_matches_plain_trainer(runs):
 
 
 def test_sp2_resume_from_checkpoint_continues_identically(runs):
-    """Catches a resume that replays or skips data (world-sharded skip), loses optimizer / scheduler
+    """Bug caught: a resume that replays or skips data (world-sharded skip), loses optimizer / scheduler
     state, or a checkpoint saved with our attention key: step 3 after resuming from step 2 must
     give the uninterrupted run's loss. The saved config keeps the model's own attention kernel."""
     tmp, sp, _ = runs
@@ -132,8 +132,8 @@ def _main_deepspeed(rank, world, argv):
 
 
 def test_sp2_under_deepspeed_zero2_matches_plain_trainer(runs):
-    """DeepSpeed ZeRO-2 through TrainingArguments(deepspeed=...): catches DeepSpeed's own loss
-    scaling (1/GAS) or its gradient averaging combining wrongly with our per-rank loss."""
+    """Bug caught: DeepSpeed's own loss scaling (1/GAS) or its gradient averaging combining wrongly
+    with our per-rank loss (ZeRO-2 through TrainingArguments(deepspeed=...))."""
     tmp, _, plain = runs
     config = tmp / "zero2.json"
     config.write_text(json.dumps({
@@ -201,7 +201,7 @@ def _refusals(rank, world, tmp):
 
 
 def test_bad_configurations_raise_before_training(tmp_path):
-    """Catches settings that would silently train something else or hang on gloo: sp_size not
+    """Bug caught: settings that would silently train something else or hang on gloo: sp_size not
     dividing the world, a model with fewer heads than sp_size, a sampler that deals batches per
     world rank, compute_metrics on sharded logits,
     a collator dropping the position_ids of packed rows (documents would attend to each other), and

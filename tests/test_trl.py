@@ -83,43 +83,43 @@ def assert_same_run(sp: list[dict], plain: list[dict], evaluated: bool = True, e
 
 
 def test_sft_packing_bfd_completion_only_sp2_matches_plain(runs):
-    """BFD packing (padding-free rows: position_ids restart per document) with completion-only
-    labels and max_length the GLOBAL row length. Catches documents attending across a packing
-    boundary (the collator's position_ids ignored), prompt tokens counted in the loss or its
-    normaliser, SFT's metrics computed on one shard or counted once per SP rank, and a wrong loss
-    scale under gradient accumulation."""
+    """Bug caught: documents attending across a packing boundary (the collator's position_ids
+    ignored), prompt tokens counted in the loss or its normaliser, SFT's metrics computed on one
+    shard or counted once per SP rank, and a wrong loss scale under gradient accumulation. Case: BFD
+    packing (padding-free rows: position_ids restart per document) with completion-only labels and
+    max_length the GLOBAL row length."""
     assert_same_run(runs["sp_packed"], runs["plain_packed"])
 
 
 def test_sft_padded_batches_sp2_matches_plain(runs):
-    """Without packing: right-padded rows of different lengths (attention_mask, no position_ids),
-    odd global lengths padded to a multiple of sp_size. Catches padding counted as tokens or
-    attended to, and num_tokens / num_input_tokens_seen counted from shards."""
+    """Bug caught: padding counted as tokens or attended to, and num_tokens / num_input_tokens_seen
+    counted from shards. Case: without packing, right-padded rows of different lengths
+    (attention_mask, no position_ids), odd global lengths padded to a multiple of sp_size."""
     assert_same_run(runs["sp_padded"], runs["plain_padded"])
 
 
 def test_sft_padding_free_without_packing_sp2_matches_plain(runs):
-    """``SFTConfig(padding_free=True, packing=False)``: each batch's rows concatenated into one row,
-    position_ids restarting per row, no attention_mask, the first token of each row label -100.
-    Catches rows attending across their boundary in the concatenated row (position_ids ignored
+    """Bug caught: rows attending across their boundary in the concatenated row (position_ids ignored
     when there is no packing's ``seq_lengths``), a label predicting the next row's first token
-    counted, and num_tokens counted from shards or padding."""
+    counted, and num_tokens counted from shards or padding. Case: ``SFTConfig(padding_free=True,
+    packing=False)``: each batch's rows concatenated into one row, position_ids restarting per row,
+    no attention_mask, the first token of each row label -100."""
     assert_same_run(runs["sp_padding_free"], runs["plain_padding_free"], evaluated=False)
 
 
 def test_sft_assistant_only_loss_sp2_matches_plain(runs):
-    """``assistant_only_loss=True`` on conversational rows: the chat template's ``{% generation %}``
-    span gives the assistant mask, user turns get label -100. Catches user-turn labels counted in
-    the SP loss or its normaliser (the global valid-token count), and the loss scale under gradient
-    accumulation when most tokens are masked."""
+    """Bug caught: user-turn labels counted in the SP loss or its normaliser (the global valid-token
+    count), and the loss scale under gradient accumulation when most tokens are masked. Case:
+    ``assistant_only_loss=True`` on conversational rows: the chat template's ``{% generation %}``
+    span gives the assistant mask, user turns get label -100."""
     assert_same_run(runs["sp_assistant"], runs["plain_assistant"], evaluated=False)
 
 
 def test_sft_assistant_only_masks_user_turns(runs):
-    """TRL's labels of the chat rows: every user-turn token -100, every assistant word and its
-    closing <eos> labelled with its id (the example's template and its fast-tokenizer
-    assistant_masks). Catches a template without working ``{% generation %}`` markers, which would
-    make the assistant-only runs above compare full-sequence losses."""
+    """Bug caught: a template without working ``{% generation %}`` markers, which would make the
+    assistant-only runs above compare full-sequence losses. Checked: TRL's labels of the chat rows,
+    every user-turn token -100, every assistant word and its closing <eos> labelled with its id
+    (the example's template and its fast-tokenizer assistant_masks)."""
     dump = runs["assistant_labels"]
     for messages, labels in zip(dump["messages"], dump["labels"], strict=True):
         expected = []
@@ -133,7 +133,7 @@ def test_sft_assistant_only_masks_user_turns(runs):
 
 
 def test_sft_moe_router_aux_loss_sp2_matches_plain(runs):
-    """Catches the MoE load-balancing loss under SP being refused, dropped, or computed on one
+    """Bug caught: the MoE load-balancing loss under SP being refused, dropped, or computed on one
     shard (TRL's fused head returns the shard's aux_loss but not the router logits): a tiny Mixtral
     with router_aux_loss_coef 0.5, packed, 2 accumulation steps: loss (which includes 0.5 x aux),
     grad norm, the logged aux_loss and the eval losses equal the plain SFTTrainer's."""
@@ -142,7 +142,7 @@ def test_sft_moe_router_aux_loss_sp2_matches_plain(runs):
 
 
 def test_sft_moe_aux_loss_dp2_sp2_matches_plain_ddp(tmp_path):
-    """Catches a wrong data-parallel weighting of the SP aux loss: TRL averages each replica's
+    """Bug caught: a wrong data-parallel weighting of the SP aux loss: TRL averages each replica's
     ``coef * aux`` over DDP ranks, so dp=2 x sp=2 (4 ranks) must equal the plain SFTTrainer under
     DDP on 2 ranks, step by step (loss, grad norm, logged aux_loss)."""
     args = ("--packing", "--moe", "--batch-size", "1")
