@@ -38,7 +38,8 @@ SDPA_NO_SINKS = ("SDPA cannot apply attention sinks (it returns no log-sum-exp t
                  "varlen function takes s_aux / learnable_sink")
 
 
-def _repeat_kv(x_BkSH: torch.Tensor, n: int) -> torch.Tensor:
+def repeat_kv(x_BkSH: torch.Tensor, n: int) -> torch.Tensor:
+    """``(B, k, S, H)`` kv heads -> ``(B, n, S, H)``, each repeated for its ``n // k`` query heads (GQA)."""
     k = x_BkSH.shape[1]
     return x_BkSH if k == n else x_BkSH.repeat_interleave(n // k, dim=1)
 
@@ -90,7 +91,7 @@ def _sdpa_compacted(q, k, v, mask: GlobalMask, **kw) -> torch.Tensor:
     n = q.shape[1]
     rows = []
     for b, (index, runs) in enumerate(mask.compacted(q.device)):
-        own = _repeat_kv(v[b : b + 1], n)
+        own = repeat_kv(v[b : b + 1], n)
         if not runs:
             rows.append(own)
             continue
@@ -130,7 +131,7 @@ def eager(q, k, v, mask: GlobalMask, *, scaling=None, sliding_window=None, softc
     ``(B, n, S, S)`` scores, O(S^2) memory by nature. Use sdpa, flex or flash-attention for long S.
     """
     n = q.shape[1]
-    k, v = _repeat_kv(k, n), _repeat_kv(v, n)
+    k, v = repeat_kv(k, n), repeat_kv(v, n)
     scale = scaling if scaling is not None else 1.0 / math.sqrt(q.shape[-1])
     scores = torch.matmul(q, k.transpose(2, 3)) * scale
     if softcap is not None:

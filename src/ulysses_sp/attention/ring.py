@@ -46,6 +46,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from ulysses_sp.attention.contract import SPAttentionBackend
+from ulysses_sp.attention.kernels import repeat_kv
 from ulysses_sp.attention.masks import GlobalMask
 from ulysses_sp.comm.layout import zigzag_moves
 from ulysses_sp.torch_internals import flash_attention_cpu, flash_attention_cpu_backward
@@ -71,11 +72,6 @@ def _block_mask(
         if col0 == row0:
             return None, True
     return (lambda a, b: mask.block(row0 + a, col0, b - a, s, device, window)[:, None]), False
-
-
-def _expand(x_BKsH: torch.Tensor, N: int) -> torch.Tensor:
-    K = x_BKsH.shape[1]
-    return x_BKsH if K == N else x_BKsH.repeat_interleave(N // K, dim=1)
 
 
 def _reduce_heads(g_BNsH: torch.Tensor, K: int) -> torch.Tensor:
@@ -108,7 +104,7 @@ def _tile_scores(q_tile, kf, allowed_tile, causal_diag: bool, scale: float, a: i
 
 def _block_forward(q, k, v, allowed, causal_diag: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """One block: ``o (B,N,s,Hv)`` fp32 and ``lse (B,N,s)`` fp32 (``-inf`` for rows with no key)."""
-    k, v = _expand(k, q.shape[1]), _expand(v, q.shape[1])
+    k, v = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])
     if allowed is None and q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16):
         o, lse = flash_attention_cpu(q, k, v, causal_diag, scale)
         return o.float(), lse
@@ -131,7 +127,7 @@ def _block_forward(q, k, v, allowed, causal_diag: bool, scale: float) -> tuple[t
 def _block_backward(do, q, k, v, o, lse, allowed, causal_diag: bool, scale: float):
     """Grads of one block given the GLOBAL output ``o`` and ``lse``: ``dq (B,N,s,H)``, ``dk, dv (B,K,s,.)``."""
     K, N = k.shape[1], q.shape[1]
-    ke, ve = _expand(k, N), _expand(v, N)
+    ke, ve = repeat_kv(k, N), repeat_kv(v, N)
     if allowed is None and q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16):
         dq, dk, dv = flash_attention_cpu_backward(do, q, ke, ve, o, lse, causal_diag, scale)
         return dq.float(), _reduce_heads(dk.float(), K), _reduce_heads(dv.float(), K)

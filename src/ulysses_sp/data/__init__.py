@@ -10,15 +10,8 @@ Main entry points:
                                            one batch per SP group), one message per mistake
 """
 
-from ulysses_sp.data.sharding import (
-    PACKED_KEYS,
-    ShardedBatch,
-    UlyssesDataLoader,
-    check_batch,
-    dp_sampler_kwargs,
-    shard_batch,
-    validate_same_batch,
-)
+from ulysses_sp.data.checks import PACKED_KEYS, check_batch, validate_same_batch
+from ulysses_sp.data.sharding import ShardedBatch, UlyssesDataLoader, dp_sampler_kwargs, shard_batch
 
 __all__ = ["PACKED_KEYS", "ShardedBatch", "check_batch", "UlyssesDataLoader", "dp_sampler_kwargs", "shard_batch",
            "validate_same_batch"]

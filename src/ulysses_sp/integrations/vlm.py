@@ -20,7 +20,7 @@ from transformers import PreTrainedModel
 from ulysses_sp.attention import GlobalMask
 from ulysses_sp.comm.mesh import SPMesh
 from ulysses_sp.data import ShardedBatch, shard_batch
-from ulysses_sp.data.sharding import VISION_KEYS
+from ulysses_sp.data.checks import VISION_KEYS
 from ulysses_sp.integrations.hf_internals import builds_bidirectional_blocks, config_attn_implementation
 
 

@@ -51,6 +51,7 @@ from ulysses_sp.mixers.sequence import (
     depthwise_causal_conv,
     document_cuts,
     runs_own_forward,
+    split_heads,
     zero_padding,
 )
 
@@ -59,12 +60,7 @@ GATED_DELTA_CLASSES = frozenset({"Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet
 
 def head_plan(module: torch.nn.Module, sp_size: int) -> HeadPlan:
     """Value heads split like query heads, key heads like kv heads."""
-    if sp_size > module.num_v_heads:
-        raise ValueError(
-            f"sp_size {sp_size} > {module.num_v_heads} value heads of {type(module).__name__}: the value heads are "
-            f"split over ranks, so use sp_size <= {module.num_v_heads} (and data parallelism for the rest)"
-        )
-    return HeadPlan(module.num_v_heads, module.num_k_heads, sp_size)
+    return split_heads(module, sp_size, module.num_v_heads, module.num_k_heads, "value heads")
 
 
 def _project(module: torch.nn.Module, x_BsD: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -46,6 +46,7 @@ from ulysses_sp.mixers.sequence import (
     depthwise_causal_conv,
     document_cuts,
     runs_own_forward,
+    split_heads,
     zero_padding,
 )
 
@@ -54,12 +55,7 @@ MAMBA2_CLASSES = frozenset({"BambaMixer", "GraniteMoeHybridMambaLayer", "Nemotro
 
 def head_plan(module: torch.nn.Module, sp_size: int) -> HeadPlan:
     """SSM heads split like query heads, B/C groups like kv heads."""
-    if sp_size > module.num_heads:
-        raise ValueError(
-            f"sp_size {sp_size} > {module.num_heads} SSM heads of {type(module).__name__}: the SSM heads are "
-            f"split over ranks, so use sp_size <= {module.num_heads} (and data parallelism for the rest)"
-        )
-    return HeadPlan(module.num_heads, module.n_groups, sp_size)
+    return split_heads(module, sp_size, module.num_heads, module.n_groups, "SSM heads")
 
 
 def _conv_channels(module: torch.nn.Module, plan: HeadPlan, rank: int) -> torch.Tensor:

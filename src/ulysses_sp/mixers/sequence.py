@@ -17,6 +17,7 @@ import torch
 from torch.distributed import ProcessGroup
 
 from ulysses_sp.attention.masks import GlobalMask
+from ulysses_sp.comm.layout import HeadPlan
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,17 @@ class MixerContext:
         if mask.valid is None:
             return None
         return mask.valid[:, self.rank * s : (self.rank + 1) * s]
+
+
+def split_heads(module: torch.nn.Module, sp_size: int, num_heads: int, num_groups: int, heads: str) -> HeadPlan:
+    """A mixer's ``num_heads`` split over ``sp_size`` ranks like query heads, its ``num_groups`` like kv heads;
+    ``ValueError`` (naming the ``heads``, e.g. ``"SSM heads"``) when there are fewer heads than ranks."""
+    if sp_size > num_heads:
+        raise ValueError(
+            f"sp_size {sp_size} > {num_heads} {heads} of {type(module).__name__}: the {heads} are "
+            f"split over ranks, so use sp_size <= {num_heads} (and data parallelism for the rest)"
+        )
+    return HeadPlan(num_heads, num_groups, sp_size)
 
 
 def runs_own_forward(module: torch.nn.Module, ctx: MixerContext, ulysses_mask: GlobalMask | None, cache: object,

@@ -12,6 +12,8 @@ Shape legend: B batch, S global sequence (any length, ``S % P`` may be non-zero)
                loss + backward, gradients all-reduced and averaged as DDP does; rank 0 torch.saves
                the loss and gradients into a temporary directory
     5. compare loss (relative) and every gradient (max |SP - ref| / max |grad| per tensor)
+
+Steps 1-2 are in ``inputs.py``, step 5 in ``compare.py``; steps 3-4 and :func:`run_check` here.
 """
 
 from __future__ import annotations
@@ -21,13 +23,12 @@ import tempfile
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 import transformers
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers import PreTrainedModel
 
 from ulysses_sp import (
     IGNORE_INDEX,
@@ -35,178 +36,37 @@ from ulysses_sp import (
     SPMesh,
     UlyssesSP,
     UlyssesSPConfig,
-    check_model_support,
     feed_global_length,
     global_num_items,
     local_backend,
     reported_loss,
     spawn,
 )
+from ulysses_sp.cli.check.compare import (
+    NOISE_FACTOR,
+    NOISE_SLACK,
+    TOLERANCES,
+    Comparison,
+    StepResult,
+    Tolerance,
+    compare,
+    noise_floor,
+)
+from ulysses_sp.cli.check.inputs import (
+    CheckBatch,
+    CheckInputError,
+    CheckOptions,
+    load_model,
+    make_batch,
+    validate_model,
+    validate_options,
+)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-class CheckInputError(ValueError):
-    """Bad input: a missing path, an unloadable model, or one that cannot be made sequence-parallel."""
-
-
-@dataclass(frozen=True)
-class CheckOptions:
-    """What to check (the CLI flags of ``ulysses-sp check``)."""
-
-    model: str
-    sp_size: int
-    random_init: bool = False
-    dtype: str = "float32"
-    batch_size: int = 2
-    seq_len: int = 128
-    padding: bool = False
-    packed: bool = False
-    attn_implementation: str | None = None
-    seed: int = 0
-    sp_ring_size: int | None = None  # Ulysses x ring degree (None: automatic, 1 while sp_size <= heads)
-    device: str = "auto"  # "cpu", "cuda", or "auto": CUDA when there is a GPU per rank, else CPU
-    tiled_loss_tokens: int | None = None  # the SP run with the tiled lm_head + loss (UlyssesSPConfig's field)
-    tiled_mlp_tokens: int | None = None  # the SP run with tiled MLPs
-    sp_head_chunks: int = 1  # the SP run's local heads in this many chunks (UlyssesSPConfig's field)
-    # the SP run with activation checkpointing (both runs in train mode, every dropout probability of
-    # the config set to 0 so that train mode is deterministic); offload: its layer inputs on the CPU
-    gradient_checkpointing: bool = False
-    offload_activations: bool = False
-
-
-@dataclass(frozen=True)
-class Tolerance:
-    """Largest accepted relative differences, and why they are that size."""
-
-    loss_rel: float
-    grad_rel: float
-    why: str
-
-
-# fp32: reference and SP differ only in summation order (shard-wise weight-grad sums, per-document
-#   kernel calls, the all-reduce); observed <= 2e-6 relative on the tiny test models. 1e-4 leaves
-#   margin for deeper models, while a wrong mask, shift or loss scale gives > 1e-2.
-# bf16: 8 significant bits, rounding up to 2^-9 = 2e-3 per op, and reference and SP round DIFFERENT
-#   partial results (per-rank grads before the all-reduce, whole-row vs per-document attention);
-#   the differences grow through the layers. Observed on 2-layer Llama / Mistral / Qwen3 / Gemma2 with
-#   padding and packing: loss <= 2e-4, grads <= 1.5e-2. Tolerances 2e-3 / 5e-2 keep a 10x / 3x
-#   margin; forgetting document boundaries moved the loss by 4e-2 and the grads by > 1 (bf16 too).
-#   Deeper models drift further in bf16: use fp32 for a strict check.
-TOLERANCES = {
-    "float32": Tolerance(1e-4, 1e-4, "fp32: only summation order differs (~1e-6); a wrong mask or scale gives > 1e-2"),
-    "bfloat16": Tolerance(2e-3, 5e-2, "bf16 rounding (2e-3 per op) compounds over layers; fp32 is the strict check"),
-}
-
-
-@dataclass
-class CheckBatch:
-    """A global batch and, per row, the ``(start, end)`` documents of its real (non-padding) tokens."""
-
-    tensors: dict[str, torch.Tensor]
-    documents: list[list[tuple[int, int]]]
-
-
-@dataclass
-class StepResult:
-    """Loss value and fp32 CPU gradient of every trainable parameter (by name) of one step."""
-
-    loss: float
-    grads: dict[str, torch.Tensor]
-    seconds: float = 0.0
-
-
-@dataclass
-class Comparison:
-    """Reference vs SP: loss and the worst gradient tensors."""
-
-    loss_ref: float
-    loss_sp: float
-    grad_abs: float
-    grad_abs_name: str
-    grad_rel: float
-    grad_rel_name: str
-    num_grads: int
-    tolerance: Tolerance
-    noise: NoiseFloor | None = None  # bf16: both runs against an fp32 one-process run
-
-    @property
-    def loss_abs(self) -> float:
-        """``|loss_sp - loss_ref|``."""
-        return abs(self.loss_sp - self.loss_ref)
-
-    @property
-    def loss_rel(self) -> float:
-        """``loss_abs / |loss_ref|``."""
-        return self.loss_abs / max(abs(self.loss_ref), 1e-30)
-
-    @property
-    def loss_ok(self) -> bool:
-        """Within tolerance of the reference, or (bf16) no further from fp32 than the reference's rounding."""
-        return self.loss_rel <= self.tolerance.loss_rel or (self.noise is not None and self.noise.loss_ok)
-
-    @property
-    def grads_ok(self) -> bool:
-        """Like :attr:`loss_ok`, every gradient tensor (NaN never is)."""
-        return self.grad_rel <= self.tolerance.grad_rel or (self.noise is not None and self.noise.grads_ok)
-
-    @property
-    def ok(self) -> bool:
-        """Loss and gradients within tolerance (NaN never is)."""
-        return self.loss_ok and self.grads_ok
-
-    @property
-    def exit_code(self) -> int:
-        """0 on a match, 1 on a mismatch."""
-        return 0 if self.ok else 1
-
-
-NOISE_FACTOR, NOISE_SLACK = 3.0, 1e-2
-"""bf16: SP passes a tensor when ``rel(SP, fp32) <= NOISE_FACTOR * rel(one process bf16, fp32) + NOISE_SLACK``
-(and the loss likewise, with ``NOISE_SLACK * 0.1``). The bf16 one-process run is itself off the fp32
-truth by its rounding (on tiny random models up to 0.6 of a tensor's largest gradient: 2 layers of
-chaotic attention), so a fixed bf16-vs-bf16 tolerance both flags rounding and could hide a bug. SP
-rounds other partial sums and runs its own kernels (fp32 softmax; sinks as an fp32 column), so on
-single tensors its bf16 error differs from transformers': the largest ratio seen over the 120
-exact families was 2.2x (GPT-OSS sink logits, the same at P=1: the kernel, not the split), hence 3x.
-A wrong mask or scale moves every tensor by O(1), far beyond 3x the rounding of the
-best-conditioned tensors (norms, lm_head: ~0.02-0.05)."""
-
-
-@dataclass
-class NoiseFloor:
-    """bf16 only: the reference's and SP's distance from an fp32 one-process run (the truth)."""
-
-    loss_ref: float  # |loss_ref_bf16 - loss_fp32| / |loss_fp32|
-    loss_sp: float  # |loss_sp_bf16 - loss_fp32| / |loss_fp32|
-    grad_worst: float  # max over tensors of rel(SP, fp32) - NOISE_FACTOR * rel(ref, fp32) (<= NOISE_SLACK passes)
-    grad_worst_name: str
-    grad_ref: float  # rel(ref, fp32) and rel(SP, fp32) of that tensor
-    grad_sp: float
-
-    @property
-    def loss_ok(self) -> bool:
-        return self.loss_sp <= NOISE_FACTOR * self.loss_ref + NOISE_SLACK * 0.1
-
-    @property
-    def grads_ok(self) -> bool:
-        return self.grad_worst <= NOISE_SLACK
-
-
-def noise_floor(truth: StepResult, ref: StepResult, sp: StepResult) -> NoiseFloor:
-    """How far the bf16 reference and the bf16 SP run each are from the fp32 run (per gradient tensor,
-    relative to that tensor's largest fp32 gradient, with the :data:`ZERO_GRAD_FLOOR` of the model's)."""
-    floor = _zero_grad_floor(truth)
-    worst = (-math.inf, "-", 0.0, 0.0)
-    for name, g in truth.grads.items():
-        _, r_ref = _grad_diffs(g, ref.grads.get(name), floor)
-        _, r_sp = _grad_diffs(g, sp.grads.get(name), floor)
-        excess = _severity(r_sp) - NOISE_FACTOR * r_ref if math.isfinite(r_ref) else math.inf
-        if excess > worst[0]:
-            worst = (excess, name, r_ref, r_sp)
-    scale = max(abs(truth.loss), 1e-30)
-    return NoiseFloor(abs(ref.loss - truth.loss) / scale, abs(sp.loss - truth.loss) / scale, *worst)
-
+__all__ = [  # the command's steps; the names of inputs.py and compare.py are re-exported for one import
+    "NOISE_FACTOR", "NOISE_SLACK", "TOLERANCES", "CheckBatch", "CheckInputError", "CheckOptions", "CheckReport",
+    "Comparison", "StepResult", "Tolerance", "compare", "load_model", "make_batch", "noise_floor", "reference_step",
+    "resolve_device", "run_check", "sp_step", "validate_model",
+]
 
 @dataclass
 class CheckReport:
@@ -221,130 +81,6 @@ class CheckReport:
     comparison: Comparison
     ref_seconds: float = 0.0
     sp_seconds: float = 0.0
-
-
-# 1. load and validate ---------------------------------------------------------------------------
-def _validate_options(opts: CheckOptions) -> None:
-    """Numeric flags in range (a CheckInputError names the flag)."""
-    if opts.sp_size < 1:
-        raise CheckInputError(f"--sp-size must be >= 1, got {opts.sp_size}.")
-    if opts.batch_size < 1:
-        raise CheckInputError(f"--batch-size must be >= 1, got {opts.batch_size}.")
-    least = 4 if opts.padding else 2
-    if opts.seq_len < least:
-        raise CheckInputError(f"--seq-len must be >= {least} (a row needs tokens and targets), got {opts.seq_len}.")
-    if opts.dtype not in DTYPES:
-        raise CheckInputError(f"--dtype must be one of {sorted(DTYPES)}, got {opts.dtype!r}.")
-    for flag, value in (("--tiled-loss-tokens", opts.tiled_loss_tokens), ("--tiled-mlp-tokens", opts.tiled_mlp_tokens)):
-        if value is not None and value < 1:
-            raise CheckInputError(f"{flag} must be >= 1, got {value}.")
-    if opts.sp_head_chunks < 1:
-        raise CheckInputError(f"--sp-head-chunks must be >= 1, got {opts.sp_head_chunks}.")
-    if opts.offload_activations and not opts.gradient_checkpointing:
-        raise CheckInputError("--offload-activations offloads the inputs of checkpointed layers; add "
-                              "--gradient-checkpointing.")
-
-
-def _model_source(model: str) -> tuple[str, bool]:
-    """``(path or hub name, is a config file)``; a missing local path is a CheckInputError."""
-    path = Path(model).expanduser()
-    if path.is_file():
-        if path.suffix != ".json":
-            raise CheckInputError(f"{model} is a file but not a .json config; give a model directory or a config.json.")
-        return str(path), True
-    if path.is_dir():
-        return str(path), False
-    looks_local = model.startswith((".", "/", "~")) or model.endswith(".json") or model.count("/") > 1
-    if looks_local:
-        raise CheckInputError(
-            f"model path {model} does not exist; give a local model directory (save_pretrained), a config.json, "
-            "or a Hugging Face Hub name (needs network)."
-        )
-    return model, False
-
-
-def _without_dropout(config: Any, seen: set[int] | None = None) -> None:
-    """Set every dropout probability of ``config`` and its sub-configs to 0 (in place): float fields
-    named ``*dropout*`` / ``*pdrop*`` (``attention_dropout``, ``hidden_dropout``, ``resid_pdrop`` ...)."""
-    seen = set() if seen is None else seen
-    if id(config) in seen:
-        return
-    seen.add(id(config))
-    for name, value in list(vars(config).items()):
-        if isinstance(value, PretrainedConfig):
-            _without_dropout(value, seen)
-        elif isinstance(value, float) and not isinstance(value, bool) and ("dropout" in name or "pdrop" in name):
-            setattr(config, name, 0.0)
-
-
-def load_model(opts: CheckOptions, device: torch.device) -> PreTrainedModel:
-    """The model on ``device``, identical in every process (seeded init): in eval mode (no dropout),
-    or with ``gradient_checkpointing`` in train mode (what checkpointing needs) with every dropout
-    probability of its config at 0."""
-    source, is_config = _model_source(opts.model)
-    kwargs: dict[str, Any] = {"dtype": DTYPES[opts.dtype], "attn_implementation": opts.attn_implementation}
-    torch.manual_seed(opts.seed)  # random init (and any weight missing from a checkpoint) is seeded
-    try:
-        config = AutoConfig.from_pretrained(source)
-        if opts.gradient_checkpointing:
-            _without_dropout(config)
-        if is_config or opts.random_init:
-            model = AutoModelForCausalLM.from_config(config, **kwargs)
-        else:
-            model = AutoModelForCausalLM.from_pretrained(source, config=config, **kwargs)
-    except (OSError, ValueError, KeyError, ImportError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise CheckInputError(f"could not load {opts.model!r} as a causal LM: {first}") from err
-    model = model.to(device)
-    return model.train() if opts.gradient_checkpointing else model.eval()
-
-
-def validate_model(model: PreTrainedModel, sp_size: int, sp_ring_size: int | None = None) -> str:
-    """The core kernel ``UlyssesSP`` would use (``check_model_support``); its ValueError becomes a CheckInputError."""
-    try:
-        return check_model_support(model, UlyssesSPConfig(sp_size=sp_size, sp_ring_size=sp_ring_size))
-    except ValueError as err:
-        raise CheckInputError(str(err)) from err
-
-
-def _documents(first: int, end: int, packed: bool, gen: torch.Generator) -> list[tuple[int, int]]:
-    """``(start, end)`` runs of the real tokens ``[first, end)``: one, or up to three when packed."""
-    num_docs = min(3, end - first) if packed else 1
-    cuts = (torch.randperm(end - first - 1, generator=gen)[: num_docs - 1] + first + 1).sort().values.tolist()
-    bounds = [first, *cuts, end]
-    return list(zip(bounds[:-1], bounds[1:]))
-
-
-def make_batch(opts: CheckOptions, vocab_size: int, pad_token_id: int = 0) -> CheckBatch:
-    """A random global batch: ``input_ids``, ``labels`` and, as asked, ``attention_mask`` / ``position_ids``.
-
-    Labels ignore padding and targets predicted FROM padding (left padding's first real token),
-    like ``shard_batch``. Packed rows restart ``position_ids`` at 0 for each document; padding on
-    the right continues the last document's positions, on the left counts from 0.
-    """
-    gen = torch.Generator().manual_seed(opts.seed)
-    B, S = opts.batch_size, opts.seq_len
-    ids = torch.randint(0, vocab_size, (B, S), generator=gen)
-    valid = torch.ones(B, S, dtype=torch.bool)
-    if opts.padding:
-        valid[0, S - max(1, S // 4) :] = False
-        if B > 1:
-            valid[1, : max(1, S // 6)] = False
-    real = [row.nonzero().flatten() for row in valid]
-    documents = [_documents(int(r[0]), int(r[-1]) + 1, opts.packed, gen) for r in real]
-    ids = ids.masked_fill(~valid, pad_token_id)
-    labels = ids.masked_fill(~valid, IGNORE_INDEX)
-    labels[:, 1:] = labels[:, 1:].masked_fill(~valid[:, :-1], IGNORE_INDEX)
-    tensors = {"input_ids": ids, "labels": labels}
-    if opts.padding:
-        tensors["attention_mask"] = valid.long()
-    if opts.packed:
-        position_ids = torch.arange(S).repeat(B, 1)
-        for b, row in enumerate(documents):
-            for a, e in row:
-                position_ids[b, a:] = torch.arange(S - a)  # restart; later documents overwrite the tail
-        tensors["position_ids"] = position_ids
-    return CheckBatch(tensors, documents)
 
 
 # 3. reference and 4. SP --------------------------------------------------------------------------
@@ -462,53 +198,9 @@ def sp_step(opts: CheckOptions, batch: CheckBatch) -> StepResult:
     return StepResult(saved["loss"], saved["grads"], time.perf_counter() - t0)
 
 
-# 5. compare -------------------------------------------------------------------------------------
-ZERO_GRAD_FLOOR = 1e-2
-"""Relative gradient differences are taken against at least this fraction of the model's largest
-gradient. The gradient of a key-projection bias is exactly zero in theory (softmax ignores a shift
-shared by all keys), so both runs hold fp32 rounding noise (~1e-8 against a largest gradient of
-0.35 in biogpt at P=2, ~1e-7 of the largest at P=8) whose ratio would read as a 20 % mismatch.
-With the floor, a difference is missed only if it is below 1e-4 x 1e-2 = 1e-6 of the largest
-gradient: fp32 noise level of a sum over the sequence."""
-
-
-def _zero_grad_floor(ref: StepResult) -> float:
-    """:data:`ZERO_GRAD_FLOOR` x the largest gradient of ``ref`` (0 if that is not finite)."""
-    largest = max((g.abs().max().item() for g in ref.grads.values() if g is not None and g.numel()), default=0.0)
-    return ZERO_GRAD_FLOOR * largest if math.isfinite(largest) else 0.0
-
-
-def _grad_diffs(ref: torch.Tensor | None, sp: torch.Tensor | None, floor: float = 0.0) -> tuple[float, float]:
-    """``(max |SP - ref|, that / max(max |ref|, max |SP|, floor))``; a missing or misshapen tensor is inf."""
-    if ref is None or sp is None or ref.shape != sp.shape:
-        return math.inf, math.inf
-    diff = (sp.float() - ref.float()).abs().max().item()
-    scale = max(ref.abs().max().item(), sp.abs().max().item(), floor)
-    return diff, (diff / scale if scale > 0 else diff)
-
-
-def _severity(diff: float) -> float:
-    """A difference for ranking: NaN ranks worst (it compares False with everything)."""
-    return math.inf if math.isnan(diff) else diff
-
-
-def compare(ref: StepResult, sp: StepResult, tolerance: Tolerance) -> Comparison:
-    """Loss and per-tensor gradient differences; the worst tensor by abs and by relative diff."""
-    worst_abs, worst_rel = (0.0, "-"), (0.0, "-")
-    names = sorted(set(ref.grads) | set(sp.grads))
-    floor = _zero_grad_floor(ref)
-    for name in names:
-        d_abs, d_rel = _grad_diffs(ref.grads.get(name), sp.grads.get(name), floor)
-        if _severity(d_abs) > _severity(worst_abs[0]):
-            worst_abs = (d_abs, name)
-        if _severity(d_rel) > _severity(worst_rel[0]):
-            worst_rel = (_severity(d_rel), name)
-    return Comparison(ref.loss, sp.loss, worst_abs[0], worst_abs[1], worst_rel[0], worst_rel[1], len(names), tolerance)
-
-
 def run_check(opts: CheckOptions) -> CheckReport:
     """Steps 1-5 of the module docstring. Raises CheckInputError on bad input, before any spawn."""
-    _validate_options(opts)
+    validate_options(opts)
     opts = replace(opts, device=resolve_device(opts))
     device = torch.device("cuda", 0) if opts.device == "cuda" else torch.device("cpu")
     model = load_model(opts, device)
