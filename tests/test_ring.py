@@ -119,6 +119,8 @@ def _worker_2d(rank, world, cases):
                           VALID if padding else None)
         attention = UlyssesAttention(a2a, "sdpa", chunks, ring_group=ring)
         assert (attention.a2a_size, attention.ring_size, attention.sp_size) == (world // R, R, world)
+        # the size words (attention.contract): sp_rank is the shard this rank holds, whatever the split
+        assert attention.sp_rank == mesh.sp_rank and attention.a2a_rank == mesh.sp_rank % (world // R)
         for _ in range(2):  # the second call is counted: the first also checks shapes across ranks (all_gathers)
             q, k, v = (case[n][:, :, sl].clone().requires_grad_() for n in ("q", "k", "v"))
             with CommCounter() as counter:
