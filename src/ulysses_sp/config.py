@@ -30,7 +30,7 @@ SP_BACKENDS = ("ulysses", "ring")
 """Sequence-parallel attention algorithms: ``ulysses`` (head <-> sequence all-to-all around an
 unchanged kernel) and ``ring`` (k/v blocks passed around the SP group, log-sum-exp merge)."""
 
-ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3", "torch_varlen")
 """Core kernels the ``ulysses`` backend runs on the full sequence (``ulysses_sp.attention.KERNELS``)."""
 
 
@@ -84,7 +84,7 @@ class UlyssesSPConfig:
     sp_size: int = _field(1, "ranks sharing one sequence; 1 = no SP")
     sp_backend: str = _field("ulysses", "sequence-parallel attention: ulysses (all-to-all) or ring")
     sp_attn_implementation: str | None = _field(None, "core kernel under SP (sdpa, eager, flex_attention, "
-                                                "flash_attention_2/3); default: the model's own")
+                                                "flash_attention_2/3, torch_varlen); default: the model's own")
     sp_seq_length_is_variable: bool = _field(True, "batches may change length (always supported)")
     tiled_mlp_tokens: int | None = _field(None, "run MLPs in tiles of this many tokens")
     tiled_loss_tokens: int | None = _field(None, "lm_head + loss in tiles of this many tokens (never the full logits)")

@@ -6,7 +6,8 @@
     UlyssesAttention(group, kernel)    all-to-all to heads around an unchanged kernel
     RingAttention(group)               k/v blocks passed around the ring
     SPAttentionBackend             their base: the call prologue (first-call check, default mask)
-    KERNELS / get_kernel(name)     sdpa, eager, flex_attention, flash_attention_2/3 on the full sequence
+    KERNELS / get_kernel(name)     sdpa, eager, flex_attention, flash_attention_2/3, torch_varlen
+                                   on the full sequence (sdpa: packed documents in length buckets)
 """
 
 from ulysses_sp.attention.backends import build_attention

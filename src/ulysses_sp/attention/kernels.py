@@ -26,7 +26,10 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from ulysses_sp.attention.heads import repeat_kv
 from ulysses_sp.attention.masks import GlobalMask
+from ulysses_sp.attention.packed import sdpa_bucketed, sdpa_windowed
+from ulysses_sp.attention.varlen import torch_varlen, varlen_usable
 from ulysses_sp.config import ATTN_IMPLEMENTATIONS
 
 Kernel = Callable[..., torch.Tensor]
@@ -38,23 +41,19 @@ SDPA_NO_SINKS = ("SDPA cannot apply attention sinks (it returns no log-sum-exp t
                  "varlen function takes s_aux / learnable_sink")
 
 
-def repeat_kv(x_BkSH: torch.Tensor, n: int) -> torch.Tensor:
-    """``(B, k, S, H)`` kv heads -> ``(B, n, S, H)``, each repeated for its ``n // k`` query heads (GQA)."""
-    k = x_BkSH.shape[1]
-    return x_BkSH if k == n else x_BkSH.repeat_interleave(n // k, dim=1)
-
-
 def sdpa(q, k, v, mask: GlobalMask, *, scaling=None, sliding_window=None, softcap=None, dropout=0.0, sinks=None):
     """``torch.nn.functional.scaled_dot_product_attention``; no S x S mask on any path.
 
     1. plain causal (or nothing masked)    -> one call, ``is_causal`` (no mask tensor)
-    2. packed documents, no padding        -> one ``is_causal`` call per document
-    3. padding (and documents)             -> per row, the valid tokens gathered side by side
-                                              (:meth:`GlobalMask.compacted`), one call per document;
-                                              a padding query sees only itself: its output is its value
-    4. sliding window ``w`` (anything else) -> query blocks of ``t`` rows attend to keys
+    2. packed documents and/or padding     -> on CUDA with ``varlen_attn`` (fp16/bf16, no dropout):
+                                              one varlen call (:func:`torch_varlen`); else one call
+                                              per length bucket (:func:`.packed.sdpa_bucketed`), or
+                                              one ``is_causal`` call per document where every
+                                              document is its own bucket anyway (no padding).
+                                              A padding query sees only itself: its output is its value
+    3. sliding window ``w`` (anything else) -> query blocks of ``t`` rows attend to keys
                                               ``[start - w + 1, end)`` with a ``(t, t + w - 1)``
-                                              block of the global rule (:func:`sdpa_windowed`)
+                                              block of the global rule (:func:`.packed.sdpa_windowed`)
 
     Mask memory is O(B*S) plus one block; the kernels' own work is per call.
     """
@@ -64,12 +63,21 @@ def sdpa(q, k, v, mask: GlobalMask, *, scaling=None, sliding_window=None, softca
     if sinks is not None:
         raise ValueError(SDPA_NO_SINKS)
     kw = dict(dropout_p=dropout, scale=scaling, enable_gqa=q.shape[1] != k.shape[1])
-    S = q.shape[2]
-    if sliding_window is not None and sliding_window < S:
-        o = sdpa_windowed(q, k, v, mask, sliding_window, block_rows=min(max(sliding_window, 128), 1024), **kw)
-    elif mask.document_ids is None and mask.valid is None:
+    B, _, S, _ = q.shape
+    window = sliding_window if sliding_window is not None and sliding_window < S else None
+    packed = mask.document_ids is not None or mask.valid is not None
+    if packed and not dropout and varlen_usable(q, mask):
+        return torch_varlen(q, k, v, mask, scaling=scaling, sliding_window=window)
+    if packed:
+        plan = mask.buckets(B, q.device)
+        batched = mask.valid is not None or len(plan.buckets) < plan.num_documents
+        if batched and (window is None or plan.contiguous):  # a window needs the row's own distances
+            return sdpa_bucketed(q, k, v, mask, window, **kw).transpose(1, 2)
+    if window is not None:
+        o = sdpa_windowed(q, k, v, mask, window, block_rows=min(max(window, 128), 1024), **kw)
+    elif not packed:
         o = F.scaled_dot_product_attention(q, k, v, is_causal=mask.causal, **kw)
-    elif mask.valid is None:
+    else:
         rows = []
         for b, segments in enumerate(mask.segments()):
             parts = [
@@ -80,47 +88,7 @@ def sdpa(q, k, v, mask: GlobalMask, *, scaling=None, sliding_window=None, softca
             ]
             rows.append(torch.cat(parts, dim=2))
         o = torch.cat(rows, dim=0)
-    else:
-        o = _sdpa_compacted(q, k, v, mask, **kw)
     return o.transpose(1, 2)
-
-
-def _sdpa_compacted(q, k, v, mask: GlobalMask, **kw) -> torch.Tensor:
-    """``(B,n,S,H)``: per row, attention among the valid tokens (one call per document run);
-    padding positions take their own value (``softmax`` over one key is 1)."""
-    n = q.shape[1]
-    rows = []
-    for b, (index, runs) in enumerate(mask.compacted(q.device)):
-        own = repeat_kv(v[b : b + 1], n)
-        if not runs:
-            rows.append(own)
-            continue
-        q_b, k_b, v_b = (t[b : b + 1].index_select(2, index) for t in (q, k, v))
-        parts = [
-            F.scaled_dot_product_attention(q_b[:, :, a:e], k_b[:, :, a:e], v_b[:, :, a:e], is_causal=mask.causal, **kw)
-            for a, e in runs
-        ]
-        rows.append(own.index_copy(2, index, torch.cat(parts, dim=2)))
-    return torch.cat(rows, dim=0)
-
-
-def sdpa_windowed(q, k, v, mask: GlobalMask, window: int, *, block_rows: int, **kw) -> torch.Tensor:
-    """``(B,n,S,Hv)`` sliding-window attention as query blocks, never an S x S mask.
-
-    Query rows ``[a, e)`` can only reach keys ``[a - w + 1, e)`` (causal) or ``[a - w + 1, S)``
-    (not causal); each block is one SDPA call with the ``(B or 1, 1, e - a, reach)`` block of
-    the global rule (:meth:`GlobalMask.block`: window, documents, padding). Every query sees at
-    least itself, so no row is empty. Work and memory O(S * (block_rows + w)).
-    """
-    S = q.shape[2]
-    parts = []
-    for a in range(0, S, block_rows):
-        e = min(S, a + block_rows)
-        c0, c1 = max(0, a - window + 1), e if mask.causal else S
-        allowed = mask.block(a, c0, e - a, c1 - c0, q.device, window)[:, None]
-        kv = k[:, :, c0:c1], v[:, :, c0:c1]
-        parts.append(F.scaled_dot_product_attention(q[:, :, a:e], *kv, attn_mask=allowed, **kw))
-    return torch.cat(parts, dim=2)
 
 
 def eager(q, k, v, mask: GlobalMask, *, scaling=None, sliding_window=None, softcap=None, dropout=0.0, sinks=None):
@@ -276,6 +244,7 @@ KERNELS: dict[str, tuple[Kernel, str | None]] = {
     "flex_attention": (flex_attention, None),
     "flash_attention_2": (_flash_varlen("flash_attn"), "flash_attn"),
     "flash_attention_3": (_flash_varlen("flash_attn_interface"), "flash_attn_interface"),
+    "torch_varlen": (torch_varlen, None),  # torch >= 2.10 on CUDA; refused with the fix elsewhere
 }
 
 

@@ -29,6 +29,8 @@ from typing import TypeVar
 
 import torch
 
+from ulysses_sp.attention.buckets import Buckets, build_buckets
+
 T = TypeVar("T")
 
 
@@ -237,3 +239,26 @@ class GlobalMask:
                     "padding sits inside a document (row %d); varlen kernels need padding at the "
                     "ends of documents. Pad at the end of each sequence, or use sdpa / eager." % b
                 )
+
+    def buckets(self, batch_size: int, device: torch.device) -> Buckets:
+        """The documents of the ``(batch_size, S)`` batch grouped by length (:mod:`.buckets`).
+
+        Documents are the runs of :meth:`compacted` (padding dropped, so padding inside a
+        document is fine), over every row; the flat token of row ``b``, position ``i`` is
+        ``b * S + i``. Built once per mask and device.
+        """
+
+        def build() -> Buckets:
+            rows = self.compacted(torch.device("cpu"))
+            if len(rows) == 1 and batch_size > 1:
+                rows = rows * batch_size
+            S, documents = self.seq_len, []
+            valid = torch.zeros(batch_size * S, dtype=torch.bool)
+            for b, (index, runs) in enumerate(rows):
+                flat = index + b * S
+                valid[flat] = True
+                documents.extend(flat[a:e] for a, e in runs)
+            padding = (~valid).nonzero().flatten()
+            return build_buckets(documents, padding, batch_size * S, self.causal, device)
+
+        return self.cached(("buckets", batch_size, str(device)), build)

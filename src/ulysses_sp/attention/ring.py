@@ -46,7 +46,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from ulysses_sp.attention.contract import SPAttentionBackend
-from ulysses_sp.attention.kernels import repeat_kv
+from ulysses_sp.attention.heads import repeat_kv
 from ulysses_sp.attention.masks import GlobalMask
 from ulysses_sp.comm.layout import zigzag_moves
 from ulysses_sp.torch_internals import flash_attention_cpu, flash_attention_cpu_backward
