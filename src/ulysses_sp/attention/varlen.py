@@ -85,7 +85,7 @@ def torch_varlen(q, k, v, mask: GlobalMask, *, scaling=None, sliding_window=None
     if "window_size" in names:
         kw["window_size"] = (sliding_window - 1 if sliding_window is not None else -1, 0 if mask.causal else -1)
     elif sliding_window is not None and sliding_window < S:
-        raise ValueError("this torch's varlen_attn takes no window_size: upgrade torch, or use 'sdpa' or flash-attention.")
+        raise ValueError("this torch's varlen_attn takes no window_size: upgrade torch, or use 'sdpa'.")
     else:
         kw["is_causal"] = mask.causal
     out = function(*flat, cu, cu, max_len, max_len, **kw)
