@@ -150,7 +150,7 @@ def bench(tmp: str, dry_run: bool, gpus: int, timeout_s: float) -> dict:
                  "--sp-sizes", *sp_sizes, "--seq-lens", "8192", "32768", "--repeats", "3"]
     systems = ["single", "ulysses", "ulysses_chunked"] + (["deepspeed"] if gpus >= 2 else [])
     step = run_step([sys.executable, "-m", "ulysses_sp.cli.main", "bench", *flags, "--systems", *systems,
-                     "--mode", "isolated", "--attention-memory", "--head-chunks", "2", "--json", out,
+                     "--mode", "isolated", "--attention-memory", "--sp-head-chunks", "2", "--json", out,
                      "--budget-s", str(int(timeout_s * 0.9))], timeout_s)
     step["records"] = _read_json(out)
     return step

@@ -93,7 +93,7 @@ def test_bench_chunked_system_same_bytes_twice_the_collectives_and_paired_one_pr
     memory = [r for r in all_records if r.get("mode") == "attention_memory"]
     assert sorted(r["head_chunks"] for r in memory) == [1, 2] and all(r["peak_attention_bytes"] >= 0 for r in memory)
     ours, chunked = records["ulysses"], records["ulysses_chunked"]
-    # N=4 heads on P=2 ranks: 2 local heads, --head-chunks 2 (default) gives C=2 -> 2C = 4 each way
+    # N=4 heads on P=2 ranks: 2 local heads, --sp-head-chunks 2 (default) gives C=2 -> 2C = 4 each way
     assert chunked["head_chunks"] == 2
     assert chunked["collectives_per_layer"] == 4 and chunked["collectives_per_layer_backward"] == 4
     assert chunked["formula_collectives_per_layer"] == 4

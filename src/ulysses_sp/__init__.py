@@ -100,6 +100,8 @@ _LAZY = {
     "feed_global_length": "ulysses_sp.integrations.rope",
     "UlyssesAccelerate": "ulysses_sp.integrations.accelerate",
     "config_from_accelerate": "ulysses_sp.integrations.accelerate",
+    "current_attn_implementation": "ulysses_sp.integrations.hf_internals",
+    "unregister_attention_function": "ulysses_sp.integrations.hf_internals",
 }
 
 __all__ = [

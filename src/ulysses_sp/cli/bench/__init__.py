@@ -31,14 +31,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--systems", nargs="+", default=[s for s in SYSTEM_NAMES if "ring" not in s],
                         choices=SYSTEM_NAMES,
                         help="default: single ulysses ulysses_chunked deepspeed (ulysses_chunked: "
-                        "UlyssesSPConfig(sp_head_chunks=--head-chunks); ring and ulysses_ring (Ulysses x ring, "
+                        "UlyssesSPConfig(sp_head_chunks=--sp-head-chunks); ring and ulysses_ring (Ulysses x ring, "
                         "--ring-size) on request)")
     parser.add_argument("--ring-size", type=int, default=2,
                         help="ring degree of ulysses_ring (a divisor of each --sp-sizes value; default 2)")
     parser.add_argument("--sp-sizes", nargs="+", type=int, default=[2], help="P values (default 2)")
     parser.add_argument("--seq-lens", nargs="+", type=int, default=[1024, 2048],
                         help="global S values (default 1024 2048)")
-    parser.add_argument("--head-chunks", type=int, default=2, help="head chunks of ulysses_chunked (default 2)")
+    parser.add_argument("--sp-head-chunks", dest="head_chunks", type=int, default=2,
+                        help="UlyssesSPConfig.sp_head_chunks of ulysses_chunked (default 2)")
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first (default 1, min 1)")
     parser.add_argument("--repeats", type=int, default=3, help="timed steps; the median is reported (default 3)")
@@ -62,7 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "only --attention-memory")
     parser.add_argument("--attention-memory", action="store_true",
                         help="also measure one attention layer's peak memory (forward + backward) with 1 and "
-                        "--head-chunks head chunks, per S and P")
+                        "--sp-head-chunks head chunks, per S and P")
     parser.add_argument("--budget-s", type=float, default=270.0,
                         help="skip configurations predicted to end later than this many seconds after the start "
                         "(default 270; 0 = no limit)")
@@ -128,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
         print("ulysses-sp bench: error: --device cuda but CUDA is not available", file=sys.stderr)
         return 2
     if args.warmup < 1 or args.repeats < 1 or args.head_chunks < 1 or args.ring_size < 1:
-        print("ulysses-sp bench: error: --warmup, --repeats, --head-chunks and --ring-size must be >= 1",
+        print("ulysses-sp bench: error: --warmup, --repeats, --sp-head-chunks and --ring-size must be >= 1",
               file=sys.stderr)
         return 2
     if not cuda:
@@ -185,7 +186,7 @@ def _run_task(kind: str, jobs: list, preload: tuple[str, ...], budget) -> list[d
 
 
 def _attention_memory(args: argparse.Namespace, cuda: bool, gpus: int, budget, skipped: list[str]) -> list[dict]:
-    """One attention layer's peak memory with 1 and ``--head-chunks`` chunks, per (S, P) that fits."""
+    """One attention layer's peak memory with 1 and ``--sp-head-chunks`` chunks, per (S, P) that fits."""
     from ulysses_sp.cli.bench.attention_memory import attention_memory
 
     out = []

@@ -78,6 +78,9 @@ def _paired_worker(rank: int, world: int, jobs: list[Job], rounds: int, out_path
     for _ in range(rounds):
         for i, (job, step) in enumerate(zip(jobs, steps)):
             times[i].append(_step_seconds(job, step, counter, device, world))
+    for step in steps:
+        if step is not None:
+            step.close()
     if rank == 0:
         single = [(ts, ls) for job, ts, ls in zip(jobs, times, losses) if job.system == "single"]
         records = [_record(job, ts, ls, world, single[0] if single else None)

@@ -164,6 +164,7 @@ def _worker(rank: int, world: int, job: Job, out_path: str) -> None:
     slowest = [max(_gather(t, device, world)) for t in times]
     bytes_fwd = _gather(comm["bytes_sent_per_rank_forward"], device, world)
     bytes_bwd = _gather(comm["bytes_sent_per_rank_backward"], device, world)
+    step.close()
     if rank != 0:
         return
     spec, model_comm = job.spec, job.comm_model()

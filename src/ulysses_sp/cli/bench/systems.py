@@ -79,10 +79,12 @@ def _average_grads(model: torch.nn.Module, group) -> None:
 
 @dataclass
 class Step:
-    """One system ready to train: ``run(counter)`` does one step and returns the global loss."""
+    """One system ready to train: ``run(counter)`` does one step and returns the global loss;
+    ``close()`` undoes what its setup registered with transformers (attention registry entries)."""
 
     run: Callable[[CommCounter], float]
     num_layers: int
+    close: Callable[[], None] = lambda: None
 
 
 def _finish(model, optimizer, loss, counter: CommCounter, group) -> None:
@@ -102,13 +104,21 @@ def single_step(model, ids_BS: torch.Tensor, own_kernel_key: bool = False) -> St
     DeepSpeed system set up later in the same process (it replaces the kernel's entry in
     transformers' registry) does not reach it.
     """
+    close = _no_close
     if own_kernel_key:
         from transformers import AttentionInterface
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-        attn = model.config._attn_implementation
-        AttentionInterface.register(f"ulysses_sp_bench_single_{attn}", ALL_ATTENTION_FUNCTIONS[attn])
-        model.set_attn_implementation(f"ulysses_sp_bench_single_{attn}")
+        from ulysses_sp import current_attn_implementation, unregister_attention_function
+
+        attn = current_attn_implementation(model)
+        key = f"ulysses_sp_bench_single_{attn}"
+        AttentionInterface.register(key, ALL_ATTENTION_FUNCTIONS[attn])
+        model.set_attn_implementation(key)
+
+        def close() -> None:
+            model.set_attn_implementation(attn)
+            unregister_attention_function(key)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
 
     def run(counter: CommCounter) -> float:
@@ -117,7 +127,11 @@ def single_step(model, ids_BS: torch.Tensor, own_kernel_key: bool = False) -> St
         _finish(model, optimizer, loss, counter, None)
         return float(loss.detach())
 
-    return Step(run, model.config.num_hidden_layers)
+    return Step(run, model.config.num_hidden_layers, close)
+
+
+def _no_close() -> None:
+    return None
 
 
 def ours_step(model, ids_BS: torch.Tensor, mesh, counter: CommCounter, backend: str, head_chunks: int = 1,
@@ -153,7 +167,10 @@ def deepspeed_step(model, ids_BS: torch.Tensor, mesh, counter: CommCounter) -> S
 
     deepspeed.init_distributed(dist_backend=dist.get_backend(), verbose=False)
     B, S = ids_BS.shape
-    attn = model.config._attn_implementation
+    from ulysses_sp import current_attn_implementation
+
+    attn = current_attn_implementation(model)
+    original = ALL_ATTENTION_FUNCTIONS[attn]  # DeepSpeed and the counter replace it; close() puts it back
     mpu = UlyssesSPAttentionHF.register_with_transformers(
         model_name_or_path=model, core_attn_implementation=attn, sequence_parallel_size=mesh.sp_size,
         micro_batch_size=B, seq_length=S, seq_length_is_variable=False,
@@ -180,4 +197,7 @@ def deepspeed_step(model, ids_BS: torch.Tensor, mesh, counter: CommCounter) -> S
         _finish(model, optimizer, loss, counter, group)
         return float(loss.detach())
 
-    return Step(run, model.config.num_hidden_layers)
+    def close() -> None:
+        ALL_ATTENTION_FUNCTIONS[attn] = original
+
+    return Step(run, model.config.num_hidden_layers, close)
