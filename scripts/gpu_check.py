@@ -22,6 +22,11 @@ the JSON is rewritten after each step, so an interrupted run keeps what it measu
                      ``benchmarks/memory_ablation.py --device cuda``: the longest trainable sequence
                      per rung in CUDA memory (P=2 rungs share one GPU over gloo if needed); the rows
 
+    6. packed_varlen
+                     ``benchmarks/packed_varlen.py``: ``torch_varlen`` and ``sdpa`` against per-document
+                     SDPA at S=32K with 1, 64 and 1024 documents (bf16, fwd + bwd): max differences and
+                     times; on CPU / a torch without ``varlen_attn`` the varlen column says skipped
+
 ``--dry-run`` runs the same steps on CPU with tiny shapes (the GPU tests are then skipped), so the
 test suite exercises this script and it cannot rot. Exit code 0 when every step passed.
 """
@@ -178,7 +183,18 @@ def memory_ablation(tmp: str, dry_run: bool, gpus: int, timeout_s: float) -> dic
     return step
 
 
-STEPS = ("gpu_tests", "cuda_check", "bench", "memory_ablation")
+def packed_varlen(tmp: str, dry_run: bool, timeout_s: float) -> dict:
+    """``benchmarks/packed_varlen.py``: the varlen kernel against per-document SDPA; its rows."""
+    out = os.path.join(tmp, "packed_varlen.json")
+    flags = ["--device", "cpu", "--seq-len", "256", "--documents", "1,4,64", "--heads", "4", "--kv-heads", "2",
+             "--head-dim", "8"] if dry_run else ["--device", "cuda"]
+    step = run_step([sys.executable, "benchmarks/packed_varlen.py", *flags, "--out", out], timeout_s)
+    text = _read_text(out)
+    step["rows"] = json.loads(text)["rows"] if text else []
+    return step
+
+
+STEPS = ("gpu_tests", "cuda_check", "bench", "memory_ablation", "packed_varlen")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -205,7 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     steps = {"gpu_tests": (lambda tmp, t: gpu_tests(tmp, args.dry_run, t), 0.3),
              "cuda_check": (lambda tmp, t: cuda_check(tmp, args.dry_run, t), 0.7),
              "bench": (lambda tmp, t: bench(tmp, args.dry_run, gpus, t), 0.5),
-             "memory_ablation": (lambda tmp, t: memory_ablation(tmp, args.dry_run, gpus, t), 1.0)}
+             "memory_ablation": (lambda tmp, t: memory_ablation(tmp, args.dry_run, gpus, t), 0.8),
+             "packed_varlen": (lambda tmp, t: packed_varlen(tmp, args.dry_run, t), 1.0)}
     steps = {name: steps[name] for name in args.steps}
     with tempfile.TemporaryDirectory() as tmp:
         for i, (name, (step, share)) in enumerate(steps.items()):

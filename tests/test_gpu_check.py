@@ -29,7 +29,7 @@ def test_gpu_check_dry_run_runs_every_step_and_writes_one_json(tmp_path):
     assert _load().main(["--dry-run", "--out", str(out), "--budget-s", "240"]) == 0
     results = json.loads(out.read_text())
     assert results["ok"] and results["dry_run"]
-    assert set(results["steps"]) == {"gpu_tests", "cuda_check", "bench", "memory_ablation"}
+    assert set(results["steps"]) == {"gpu_tests", "cuda_check", "bench", "memory_ablation", "packed_varlen"}
     tests = results["steps"]["gpu_tests"]
     assert tests["counts"]["skipped"] >= 1 and tests["counts"]["failed"] == tests["counts"]["error"] == 0
     checks = results["steps"]["cuda_check"]["cases"]
@@ -42,6 +42,9 @@ def test_gpu_check_dry_run_runs_every_step_and_writes_one_json(tmp_path):
     assert {r["head_chunks"] for r in records if r.get("mode") == "attention_memory"} == {1, 2}
     rows = results["steps"]["memory_ablation"]["rows"]
     assert rows and rows[0]["rung"] == "plain" and int(rows[0]["longest S"]) > 0
+    packed = results["steps"]["packed_varlen"]["rows"]
+    assert [r["documents"] for r in packed] == [1, 4, 64] and all(r["sdpa"]["status"] == "ok" for r in packed)
+    assert all(r["torch_varlen"]["status"].startswith("skipped") for r in packed)  # no CUDA in a dry run
 
 
 def test_gpu_check_refuses_to_run_without_cuda_unless_dry_run(tmp_path):
