@@ -174,3 +174,17 @@ def test_bench_ulysses_ring_system_counts_bytes_of_its_formula(tmp_path):
     assert two_d["collectives_per_layer"] == 2 + 1 + 2 and two_d["collectives_per_layer_backward"] == 2 + 3 + 2
     # fp32, same weights and batch; only summation order differs: 1e-5 relative
     assert two_d["loss"] == pytest.approx(records["single"]["loss"], rel=1e-5)
+
+
+def test_bench_documents_runs_every_system_on_the_same_packed_batch(tmp_path):
+    """Bug caught: ``--documents`` not reaching a system (it would train on one long document: a
+    different loss from the packed one process), or packed records compared with unpacked ones."""
+    out = tmp_path / "bench.json"
+    code = main(["bench", *TINY, "--systems", "single", "ulysses", "--mode", "isolated", "--documents", "1", "4",
+                 "--json", str(out)])
+    records = {(r["system"], r["documents"]): r for r in json.loads(out.read_text())}
+    assert code == 0 and set(records) == {(s, d) for s in ("single", "ulysses") for d in (1, 4)}
+    # fp32, same weights and packed batch; only summation order differs: 1e-5 relative
+    assert records["ulysses", 4]["loss"] == pytest.approx(records["single", 4]["loss"], rel=1e-5)
+    # 4 documents: no prediction crosses a boundary and attention stays inside documents
+    assert records["single", 4]["loss"] != pytest.approx(records["single", 1]["loss"], rel=1e-5)

@@ -41,6 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sp-head-chunks", dest="head_chunks", type=int, default=2,
                         help="UlyssesSPConfig.sp_head_chunks of ulysses_chunked (default 2)")
     parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--documents", nargs="+", type=int, default=[1],
+                        help="equal documents packed in each row (position_ids restart; no label crosses a "
+                        "boundary), every system on the same packed batch; several values run each (default 1)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first (default 1, min 1)")
     parser.add_argument("--repeats", type=int, default=3, help="timed steps; the median is reported (default 3)")
     parser.add_argument("--layers", type=int, default=4)
@@ -87,8 +90,8 @@ def _tasks(args: argparse.Namespace, cuda: bool, gpus: int) -> tuple[list[tuple[
                   ring_size=args.ring_size, attn=args.attn_implementation)
     isolated, paired = args.mode in ("isolated", "both"), args.mode in ("paired", "both")
     tasks, skipped = [], []
-    for S in args.seq_lens:
-        single = Job("single", 1, S, **common) if "single" in args.systems else None
+    for S, docs in ((S, d) for S in args.seq_lens for d in args.documents):
+        single = Job("single", 1, S, documents=docs, **common) if "single" in args.systems else None
         if single and isolated:
             tasks.append(("isolated", [single]))
         for P in args.sp_sizes:
@@ -98,7 +101,7 @@ def _tasks(args: argparse.Namespace, cuda: bool, gpus: int) -> tuple[list[tuple[
                 if why:
                     skipped.append(f"{system} P={P} S={S}: {why}")
                 else:
-                    jobs.append(Job(system, P, S, **common))
+                    jobs.append(Job(system, P, S, documents=docs, **common))
             if isolated:
                 tasks += [("isolated", [job]) for job in jobs]
             if paired and jobs:
@@ -130,6 +133,11 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.warmup < 1 or args.repeats < 1 or args.head_chunks < 1 or args.ring_size < 1:
         print("ulysses-sp bench: error: --warmup, --repeats, --sp-head-chunks and --ring-size must be >= 1",
+              file=sys.stderr)
+        return 2
+    bad = [(S, d) for S in args.seq_lens for d in args.documents if d < 1 or S % d]
+    if bad:
+        print(f"ulysses-sp bench: error: --documents must be >= 1 and divide every --seq-lens value, got {bad}",
               file=sys.stderr)
         return 2
     if not cuda:

@@ -48,7 +48,8 @@ def _setup(job: Job, rank: int, device: torch.device, counter: CommCounter):
     from ulysses_sp.cli.bench.systems import build_model, make_batch, single_step
 
     model = build_model(job.spec, job.seq_len, device, getattr(torch, job.dtype), job.attn)
-    return single_step(model, make_batch(job.spec, job.batch_size, job.seq_len, device), own_kernel_key=True)
+    return single_step(model, make_batch(job.spec, job.batch_size, job.seq_len, device), own_kernel_key=True,
+                       documents=job.documents)
 
 
 def _step_seconds(job: Job, step, counter: CommCounter, device: torch.device, world: int) -> float:
@@ -94,6 +95,7 @@ def _record(job: Job, ts: list[float], ls: list[float], world: int, single: tupl
     record = {
         "mode": "paired", "system": job.system, "sp_size": job.sp_size, "seq_len": job.seq_len,
         "batch_size": job.batch_size, "head_chunks": job.head_chunks if job.system == "ulysses_chunked" else 1,
+        "documents": job.documents,
         "ring_size": job.ring_size if job.system == "ulysses_ring" else 1,
         "median_step_seconds": statistics.median(ts), "min_step_seconds": min(ts), "step_seconds": ts,
         "tokens_per_second": job.batch_size * job.seq_len / statistics.median(ts),

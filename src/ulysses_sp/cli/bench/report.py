@@ -18,8 +18,9 @@ def _key(r: dict) -> tuple:
     return r["seq_len"], r["sp_size"], r["system"]
 
 
-def _find(records: Sequence[dict], system: str, P: int, S: int) -> dict | None:
-    return next((r for r in records if r["system"] == system and r["sp_size"] == P and r["seq_len"] == S), None)
+def _find(records: Sequence[dict], system: str, P: int, S: int, documents: int = 1) -> dict | None:
+    return next((r for r in records if r["system"] == system and r["sp_size"] == P and r["seq_len"] == S
+                 and r.get("documents", 1) == documents), None)
 
 
 # fp32 steps differ only in summation order (~1e-7 relative per op over a few layers): 1e-4 is far
@@ -39,9 +40,11 @@ def check_records(records: Sequence[dict], bytes_rtol: float = 0.05) -> list[str
     records = _isolated(records)
     for r in records:
         loss_rtol = LOSS_RTOL.get(r.get("dtype", "float32"), 2e-2)
-        name = f"{r['system']} P={r['sp_size']} S={r['seq_len']}"
-        ref = _find(records, "single", 1, r["seq_len"]) or next(
-            (x for x in records if x["seq_len"] == r["seq_len"] and x["system"] == "ulysses"), None)
+        docs = r.get("documents", 1)
+        name = f"{r['system']} P={r['sp_size']} S={r['seq_len']}" + (f" documents={docs}" if docs > 1 else "")
+        ref = _find(records, "single", 1, r["seq_len"], docs) or next(
+            (x for x in records if x["seq_len"] == r["seq_len"] and x["system"] == "ulysses"
+             and x.get("documents", 1) == docs), None)
         if ref is not None and abs(r["loss"] - ref["loss"]) > loss_rtol * abs(ref["loss"]):
             problems.append(f"{name}: loss {r['loss']} != {ref['system']} {ref['loss']}")
         formula = r["formula_bytes_sent_per_rank"]
@@ -69,7 +72,7 @@ def vs_single(r: dict, records: Sequence[dict]) -> float | None:
     same cores); paired records: the median of the per-round ratios of their own run."""
     if r.get("mode") == "paired":
         return r.get("one_process_vs_system")
-    single = _find(_isolated(records), "single", 1, r["seq_len"])
+    single = _find(_isolated(records), "single", 1, r["seq_len"], r.get("documents", 1))
     return single["median_step_seconds"] / r["median_step_seconds"] if single else None
 
 
@@ -121,9 +124,10 @@ class LiveTable:
 
 
 def _system(r: dict) -> str:
+    docs = f" [{r['documents']} docs]" if r.get("documents", 1) > 1 else ""
     if r["system"] == "ulysses_ring":
-        return f"ulysses_ring (R={r.get('ring_size', '?')})"
-    return f"{r['system']} (C={r['head_chunks']})" if r["system"] == "ulysses_chunked" else r["system"]
+        return f"ulysses_ring (R={r.get('ring_size', '?')}){docs}"
+    return (f"{r['system']} (C={r['head_chunks']})" if r["system"] == "ulysses_chunked" else r["system"]) + docs
 
 
 class Budget:

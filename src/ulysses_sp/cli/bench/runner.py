@@ -52,6 +52,7 @@ class Job:
     head_chunks: int = 2  # ulysses_chunked only
     ring_size: int = 2  # ulysses_ring only (must divide sp_size)
     attn: str = "sdpa"  # the model's attention kernel (every system runs it)
+    documents: int = 1  # equal documents packed in each row (position_ids restart)
 
     @property
     def world(self) -> int:
@@ -95,16 +96,18 @@ def _memory_peak(device: torch.device) -> int:
 def setup_system(job: Job, device: torch.device, counter: CommCounter) -> tuple[Step, torch.nn.Module]:
     model = build_model(job.spec, job.seq_len, device, getattr(torch, job.dtype), job.attn)
     ids = make_batch(job.spec, job.batch_size, job.seq_len, device)
+    docs = job.documents
     if job.system == "single":
-        return single_step(model, ids), model
+        return single_step(model, ids, documents=docs), model
     mesh = SPMesh.from_world(job.sp_size)
     if job.system == "deepspeed":
-        return deepspeed_step(model, ids, mesh, counter), model
+        return deepspeed_step(model, ids, mesh, counter, documents=docs), model
     if job.system == "ulysses_chunked":
-        return ours_step(model, ids, mesh, counter, backend="ulysses", head_chunks=job.head_chunks), model
+        return ours_step(model, ids, mesh, counter, backend="ulysses", head_chunks=job.head_chunks,
+                         documents=docs), model
     if job.system == "ulysses_ring":
-        return ours_step(model, ids, mesh, counter, backend="ulysses", ring_size=job.ring_size), model
-    return ours_step(model, ids, mesh, counter, backend=job.system), model
+        return ours_step(model, ids, mesh, counter, backend="ulysses", ring_size=job.ring_size, documents=docs), model
+    return ours_step(model, ids, mesh, counter, backend=job.system, documents=docs), model
 
 
 def timed_step(step: Step, counter: CommCounter, device: torch.device) -> float:
@@ -172,6 +175,7 @@ def _worker(rank: int, world: int, job: Job, out_path: str) -> None:
     record = {
         "system": job.system, "sp_size": job.sp_size, "seq_len": job.seq_len, "batch_size": job.batch_size,
         "head_chunks": job.head_chunks if job.system == "ulysses_chunked" else 1,
+        "documents": job.documents,
         "ring_size": job.ring_size if job.system == "ulysses_ring" else 1,
         "median_step_seconds": statistics.median(slowest), "min_step_seconds": min(slowest), "step_seconds": slowest,
         "tokens_per_second": job.batch_size * job.seq_len / statistics.median(slowest),

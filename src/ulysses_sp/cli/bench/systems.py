@@ -65,6 +65,14 @@ def make_batch(spec: ModelSpec, batch_size: int, seq_len: int, device: torch.dev
     return torch.randint(0, spec.vocab_size, (batch_size, seq_len), generator=gen).to(device)
 
 
+def make_packed(ids_BS: torch.Tensor, documents: int) -> dict[str, torch.Tensor]:
+    """The batch as ``documents`` equal documents per row: ``position_ids`` restart at each, and the
+    first token of each document is no label (no prediction crosses a boundary, in every system)."""
+    B, S = ids_BS.shape
+    positions = torch.arange(S, device=ids_BS.device).remainder(S // documents).expand(B, S)
+    return {"input_ids": ids_BS, "labels": ids_BS.masked_fill(positions == 0, -100), "position_ids": positions}
+
+
 def _average_grads(model: torch.nn.Module, group) -> None:
     """DDP-style gradient averaging over ``group`` in ONE all-reduce of a flat buffer."""
     grads = [p.grad for p in model.parameters() if p.grad is not None]
@@ -97,7 +105,7 @@ def _finish(model, optimizer, loss, counter: CommCounter, group) -> None:
         optimizer.zero_grad(set_to_none=True)
 
 
-def single_step(model, ids_BS: torch.Tensor, own_kernel_key: bool = False) -> Step:
+def single_step(model, ids_BS: torch.Tensor, own_kernel_key: bool = False, documents: int = 1) -> Step:
     """No sequence parallelism: the full sequence in one process.
 
     ``own_kernel_key``: run the model's attention function under a key of its own, so that a
@@ -120,10 +128,11 @@ def single_step(model, ids_BS: torch.Tensor, own_kernel_key: bool = False) -> St
             model.set_attn_implementation(attn)
             unregister_attention_function(key)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    batch = make_packed(ids_BS, documents) if documents > 1 else {"input_ids": ids_BS, "labels": ids_BS}
 
     def run(counter: CommCounter) -> float:
         with counter.in_phase("forward"):
-            loss = model(input_ids=ids_BS, labels=ids_BS).loss
+            loss = model(**batch).loss
         _finish(model, optimizer, loss, counter, None)
         return float(loss.detach())
 
@@ -135,7 +144,7 @@ def _no_close() -> None:
 
 
 def ours_step(model, ids_BS: torch.Tensor, mesh, counter: CommCounter, backend: str, head_chunks: int = 1,
-              ring_size: int | None = None) -> Step:
+              ring_size: int | None = None, documents: int = 1) -> Step:
     """``UlyssesSP`` with
     ``UlyssesSPConfig(sp_backend=backend, sp_head_chunks=head_chunks, sp_ring_size=ring_size)``."""
     from ulysses_sp import UlyssesSP, UlyssesSPConfig, global_num_items, reported_loss
@@ -144,7 +153,7 @@ def ours_step(model, ids_BS: torch.Tensor, mesh, counter: CommCounter, backend: 
                              sp_ring_size=ring_size)
     sp = UlyssesSP(model, mesh, config)
     sp.wrap_attention(counter.scoped).register()
-    shard = sp.shard({"input_ids": ids_BS})
+    shard = sp.shard(make_packed(ids_BS, documents) if documents > 1 else {"input_ids": ids_BS})
     group = mesh.sp_group if mesh.sp_size > 1 else None
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
 
@@ -158,7 +167,7 @@ def ours_step(model, ids_BS: torch.Tensor, mesh, counter: CommCounter, backend: 
     return Step(run, model.config.num_hidden_layers)
 
 
-def deepspeed_step(model, ids_BS: torch.Tensor, mesh, counter: CommCounter) -> Step:
+def deepspeed_step(model, ids_BS: torch.Tensor, mesh, counter: CommCounter, documents: int = 1) -> Step:
     """DeepSpeed's UlyssesSPAttentionHF wired as HF Accelerate / Trainer do (ALST)."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu" if ids_BS.device.type == "cpu" else "cuda")
     import deepspeed
@@ -176,8 +185,8 @@ def deepspeed_step(model, ids_BS: torch.Tensor, mesh, counter: CommCounter) -> S
         micro_batch_size=B, seq_length=S, seq_length_is_variable=False,
     )
     ALL_ATTENTION_FUNCTIONS[attn] = counter.scoped(ALL_ATTENTION_FUNCTIONS[attn])
-    rows = [{"input_ids": ids_BS[b].cpu(), "labels": ids_BS[b].cpu(), "position_ids": torch.arange(S)}
-            for b in range(B)]
+    packed = make_packed(ids_BS, documents)
+    rows = [{k: t[b].cpu() for k, t in packed.items()} for b in range(B)]
     loader = torch.utils.data.DataLoader(rows, batch_size=B)
     group = mpu.get_sequence_parallel_group()
     adapter = UlyssesSPDataLoaderAdapter(loader, mpu.get_sequence_parallel_rank(), group, mesh.sp_size, ids_BS.device)
