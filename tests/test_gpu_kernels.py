@@ -14,7 +14,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 KERNELS = ["sdpa", "flex_attention"] + [
     name for name, pkg in (("flash_attention_2", "flash_attn"), ("flash_attention_3", "flash_attn_interface"))
     if importlib.util.find_spec(pkg) is not None
-]
+] + (["torch_varlen"] if importlib.util.find_spec("torch.nn.attention.varlen") is not None else [])
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -34,6 +34,28 @@ def test_cuda_kernel_matches_eager_with_documents(kernel, window):
     torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
     for g, r in zip(grads, ref_grads):
         torch.testing.assert_close(g.float() / r.abs().max(), r.float() / r.abs().max(), rtol=0, atol=3e-2)
+
+
+@pytest.mark.parametrize("kernel", [k for k in KERNELS if k in ("sdpa", "torch_varlen")])
+def test_cuda_packed_kernel_with_padding_matches_the_bucketed_cpu_path(kernel):
+    """Bug caught: torch_varlen (also sdpa's CUDA path for packed rows) giving padding tokens other
+    outputs or gradients than the bucketed sdpa path, or GQA heads grouped differently."""
+    B, n, k, S, H = 2, 8, 2, 512, 64
+    torch.manual_seed(0)
+    q, kk, v = (torch.randn(B, h, S, H, device="cuda", dtype=torch.bfloat16, requires_grad=True) for h in (n, k, k))
+    pos = torch.cat([torch.arange(7), torch.arange(200), torch.arange(305)]).expand(B, S).cuda()
+    valid = torch.ones(B, S, dtype=torch.bool, device="cuda")
+    valid[0, 480:] = False
+    mask = GlobalMask.from_position_ids(pos, valid)
+    out = get_kernel(kernel)(q, kk, v, mask)
+    grads = torch.autograd.grad(out.float().square().sum(), (q, kk, v))
+    cpu = [t.detach().float().cpu().requires_grad_() for t in (q, kk, v)]
+    ref = get_kernel("sdpa")(*cpu, GlobalMask.from_position_ids(pos.cpu(), valid.cpu()))
+    ref_grads = torch.autograd.grad(ref.square().sum(), cpu)
+    # bf16 CUDA kernel against the fp32 CPU bucketed path: a few bf16 eps (3.9e-3) of O(1) values
+    torch.testing.assert_close(out.float().cpu(), ref, rtol=2e-2, atol=2e-2)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g.float().cpu() / r.abs().max(), r / r.abs().max(), rtol=0, atol=3e-2)
 
 
 @pytest.mark.parametrize("window", [None, 64])

@@ -66,7 +66,7 @@ def sdpa(q, k, v, mask: GlobalMask, *, scaling=None, sliding_window=None, softca
     B, _, S, _ = q.shape
     window = sliding_window if sliding_window is not None and sliding_window < S else None
     packed = mask.document_ids is not None or mask.valid is not None
-    if packed and not dropout and varlen_usable(q, mask):
+    if packed and not dropout and varlen_usable(q, mask, v):
         return torch_varlen(q, k, v, mask, scaling=scaling, sliding_window=window)
     if packed:
         plan = mask.buckets(B, q.device)

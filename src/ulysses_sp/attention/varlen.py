@@ -35,10 +35,13 @@ def varlen_function() -> Callable | None:
     return varlen_attn
 
 
-def varlen_usable(q: torch.Tensor, mask: GlobalMask) -> bool:
+def varlen_usable(q: torch.Tensor, mask: GlobalMask, v: torch.Tensor | None = None) -> bool:
     """Whether :func:`torch_varlen` can run ``q``'s batch: CUDA, fp16/bf16, ``varlen_attn`` present,
-    and padding only at document ends (what ``cu_seqlens`` needs)."""
+    a head dim flash kernels take (<= 256, v's the same) and padding only at document ends (what
+    ``cu_seqlens`` needs)."""
     if q.device.type != "cuda" or q.dtype not in _HALF or varlen_function() is None:
+        return False
+    if q.shape[-1] > 256 or (v is not None and v.shape[-1] != q.shape[-1]):
         return False
     try:
         mask.cu_seqlens(q.shape[0], q.device)
