@@ -9,9 +9,9 @@ through UlyssesAttention on P = 1, 2, 3 gloo ranks (one spawned group per P for 
 import pytest
 import torch
 
+from dist_helper import spawn
 from ulysses_sp import GlobalMask, SPMesh, UlyssesAttention, get_kernel
 from ulysses_sp.attention.buckets import plan_groups
-from dist_helper import spawn
 
 S, H = 48, 8
 # row 0: documents 1, 2, 13, 31, 1 (1 to S); row 1: one document of S
