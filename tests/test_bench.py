@@ -77,10 +77,11 @@ def test_bench_deepspeed_same_loss_and_its_collectives(tmp_path):
     assert ds["bytes_sent_per_rank"] == 2 * (12 * 16 * 8 * 4 // 2) + 16 * 8
 
 
-def test_bench_chunked_system_same_bytes_twice_the_collectives_and_paired_one_process(tmp_path):
+def test_bench_chunked_system_recompute_bytes_collectives_and_paired_one_process(tmp_path):
     """Bug caught: ``--systems ulysses_chunked`` not reaching UlyssesSPConfig(sp_head_chunks) (it would
-    issue 2 collectives per layer), chunking that changes the bytes or the loss, a formula that
-    does not know the chunked count, paired runs that lose the one-process steps they are
+    issue 2 collectives per layer), chunking that changes the forward bytes or the loss, a backward
+    that does not re-send exactly one q|k|v exchange for its recompute, a formula that does not
+    know the chunked count, paired runs that lose the one-process steps they are
     compared with (the 'one process / system' ratio on equal cores), and --attention-memory not
     measuring both the unchunked and the chunked layer."""
     out = tmp_path / "bench.json"
@@ -93,11 +94,16 @@ def test_bench_chunked_system_same_bytes_twice_the_collectives_and_paired_one_pr
     memory = [r for r in all_records if r.get("mode") == "attention_memory"]
     assert sorted(r["head_chunks"] for r in memory) == [1, 2] and all(r["peak_attention_bytes"] >= 0 for r in memory)
     ours, chunked = records["ulysses"], records["ulysses_chunked"]
-    # N=4 heads on P=2 ranks: 2 local heads, --sp-head-chunks 2 (default) gives C=2 -> 2C = 4 each way
+    # N=4 heads on P=2 ranks: 2 local heads, --sp-head-chunks 2 (default) gives C=2 -> 2C = 4 forward,
+    # 3C = 6 backward (q|k|v, output grad, q|k|v grads per chunk)
     assert chunked["head_chunks"] == 2
-    assert chunked["collectives_per_layer"] == 4 and chunked["collectives_per_layer_backward"] == 4
+    assert chunked["collectives_per_layer"] == 4 and chunked["collectives_per_layer_backward"] == 6
     assert chunked["formula_collectives_per_layer"] == 4
-    assert chunked["bytes_sent_per_rank"] == ours["bytes_sent_per_rank"] == ULYSSES_BYTES_PER_LAYER
+    assert ours["bytes_sent_per_rank"] == ULYSSES_BYTES_PER_LAYER
+    assert chunked["bytes_sent_per_rank_forward"] == ours["bytes_sent_per_rank_forward"] == ULYSSES_BYTES_PER_LAYER // 2
+    # the backward re-sends the forward's q|k|v (512 elements of fp32 to rank 1) for the recompute
+    assert chunked["bytes_sent_per_rank"] == ULYSSES_BYTES_PER_LAYER + 512 * 4
+    assert chunked["formula_bytes_sent_per_rank"] == chunked["bytes_sent_per_rank"]
     # fp32, same weights and batch; only summation order differs: 1e-5 relative
     assert chunked["loss"] == pytest.approx(records["single"]["loss"], rel=1e-5)
     for r in paired.values():

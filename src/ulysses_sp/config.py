@@ -65,11 +65,16 @@ class UlyssesSPConfig:
             materialising the ``(s, V)`` logits (None = untiled).
         offload_activations: move checkpointed hidden states to CPU memory between forward and
             backward (needs activation / gradient checkpointing).
-        sp_head_chunks: ``ulysses`` only: run each rank's heads in this many chunks, the all-to-all
-            of the next chunk in flight while one computes (forward and backward); 2C + 2C
-            collectives per layer instead of 2 + 2, the same bytes, the transient full-sequence
-            buffers of about two chunks at a time (the kernels' saved tensors are unchanged). At
-            most the heads a rank holds are used. 1 = no chunking.
+        sp_head_chunks: ``ulysses`` only: run each rank's heads in this many chunks inside one
+            autograd function that keeps only the sharded q/k/v and recomputes each chunk's
+            attention in backward, so the full-sequence q/k/v/o and their gradients exist for one
+            chunk at a time (also under activation checkpointing); 2C + 3C collectives per layer
+            instead of 2 + 2, one more q|k|v exchange in backward, the next chunk's exchange in
+            flight while one computes. At most the heads a rank holds are used. 1 = no chunking.
+        sp_head_chunk_mib: ``ulysses`` only: choose the head chunks per layer call so that one
+            chunk's full-sequence tensors take at most this many MiB per rank
+            (``comm.head_chunked.chunk_live_bytes``); the larger of that and ``sp_head_chunks`` is
+            used. None = off.
         sp_ring_size: ``ulysses`` only: Ulysses x ring (2-D sequence parallelism), ``sp_size =
             a2a x ring``: the all-to-all runs inside groups of ``sp_size // sp_ring_size``
             consecutive ranks and ring attention runs across the groups (for the heads each rank
@@ -90,8 +95,10 @@ class UlyssesSPConfig:
     tiled_loss_tokens: int | None = _field(None, "lm_head + loss in tiles of this many tokens (never the full logits)")
     offload_activations: bool = _field(False, "keep the inputs of checkpointed layers in CPU memory (needs "
                                        "activation checkpointing)")
-    sp_head_chunks: int = _field(1, "ulysses: heads per rank in this many chunks, each chunk's all-to-all "
-                                 "overlapped with the previous chunk's attention (1 = no chunking)")
+    sp_head_chunks: int = _field(1, "ulysses: heads per rank in this many chunks, each recomputed in backward, "
+                                 "so full-length attention tensors exist for one chunk at a time (1 = no chunking)")
+    sp_head_chunk_mib: float | None = _field(None, "ulysses: head chunks chosen so one chunk's full-length attention "
+                                             "tensors fit this many MiB per rank (default: off)")
     sp_ring_size: int | None = _field(None, "ulysses x ring: ring degree (sp_size = all-to-all degree x ring); "
                                       "default: 1, or the smallest ring the head count needs")
 
@@ -110,6 +117,12 @@ class UlyssesSPConfig:
         if self.sp_head_chunks != 1 and self.sp_backend != "ulysses":
             raise ValueError(f"sp_head_chunks={self.sp_head_chunks} applies to sp_backend='ulysses' only; "
                              f"set sp_head_chunks=1 with sp_backend={self.sp_backend!r}.")
+        mib = self.sp_head_chunk_mib
+        if mib is not None and (isinstance(mib, bool) or not isinstance(mib, (int, float)) or not 0 < mib < 1 << 40):
+            raise ValueError(f"sp_head_chunk_mib must be a positive number of MiB or None, got {mib!r}.")
+        if mib is not None and self.sp_backend != "ulysses":
+            raise ValueError(f"sp_head_chunk_mib applies to sp_backend='ulysses' only; leave it None with "
+                             f"sp_backend={self.sp_backend!r}.")
         _positive_int("sp_ring_size", self.sp_ring_size, allow_none=True)
         if self.sp_ring_size is not None and self.sp_size % self.sp_ring_size:
             divisors = [d for d in range(1, self.sp_size + 1) if self.sp_size % d == 0]
@@ -137,6 +150,11 @@ class UlyssesSPConfig:
     def replace(self, **changes: Any) -> UlyssesSPConfig:
         """A copy with ``changes`` applied (validated like a new object)."""
         return dataclasses.replace(self, **changes)
+
+    @property
+    def head_chunk_bytes(self) -> int | None:
+        """``sp_head_chunk_mib`` in bytes (None when off)."""
+        return None if self.sp_head_chunk_mib is None else max(1, int(self.sp_head_chunk_mib * 2**20))
 
     def ring_size_for(self, num_heads: int) -> int:
         """The ring degree used for a model with ``num_heads`` query heads (1 = plain Ulysses)."""

@@ -21,10 +21,12 @@ heads::
 Per layer: the all-to-all bytes of Ulysses at degree ``A`` plus the ring's ``R-1`` k/v hops of the
 local heads (``comm.cost``); any ``sp_size = A*R`` with ``A <= N``, so more ranks than heads work.
 
-With ``head_chunks=C > 1`` steps 1-4 run per chunk of this rank's heads (``HeadPlan.chunks``),
-the exchanges of neighbouring chunks in flight while a chunk computes
-(``comm.all_to_all.head_chunked_attention``): 2C collectives forward and 2C backward, the same
-bytes, and the transient full-sequence q/k/v/o buffers of one chunk at a time.
+With ``head_chunks=C > 1`` steps 1-4 run per chunk of this rank's heads (``HeadPlan.chunks``) inside
+one autograd function that saves only the sharded q/k/v and recomputes each chunk in backward
+(``comm.head_chunked``): full-sequence q/k/v/o and their gradients exist for one chunk of heads at
+a time, forward and backward, also under activation checkpointing. 2C collectives forward, 3C
+backward; the backward moves q|k|v once more (the recompute's inputs). ``head_chunk_bytes`` picks
+C instead from a byte target for one chunk's full-length tensors (``chunk_live_bytes``).
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ from ulysses_sp.attention.contract import SPAttentionBackend
 from ulysses_sp.attention.kernels import Kernel, get_kernel
 from ulysses_sp.attention.masks import GlobalMask
 from ulysses_sp.attention.ring import RingAttention
-from ulysses_sp.comm.all_to_all import head_chunked_attention, head_to_seq_out, seq_to_head_qkv
+from ulysses_sp.comm.all_to_all import head_to_seq_out, seq_to_head_qkv
+from ulysses_sp.comm.head_chunked import chunks_for_bytes, head_chunked_attention
 from ulysses_sp.comm.layout import HeadChunk, HeadPlan
 
 
@@ -49,9 +52,13 @@ class UlyssesAttention(SPAttentionBackend):
             process (no communication, the kernel runs directly).
         kernel: ``"sdpa"``, ``"eager"``, ``"flex_attention"``, ``"flash_attention_2"``,
             ``"flash_attention_3"`` or a callable with the signature in ``attention.kernels``.
-        head_chunks: process this rank's query heads in this many chunks, overlapping each chunk's
-            exchanges with its neighbour's compute (1 = one exchange each way, no overlap). At most
-            the largest local head count is used (``HeadPlan.num_chunks``).
+        head_chunks: process this rank's query heads in this many chunks, each recomputed in
+            backward, so the full-sequence tensors of one chunk exist at a time (1 = one exchange
+            each way, the kernel's saved tensors kept). At most the largest local head count is
+            used (``HeadPlan.num_chunks``).
+        head_chunk_bytes: choose the chunk count per call so that one chunk's full-length tensors
+            (``comm.head_chunked.chunk_live_bytes``: q/k/v/o, their grads, the output grad) take at
+            most this many bytes; the larger of this choice and ``head_chunks`` is used. ``None``: off.
         ring_group: Ulysses x ring: the ranks holding the same heads of the other segments
             (``SPMesh.ulysses_ring_groups``); ring attention replaces ``kernel`` (its own block
             kernels: causal, packed documents, padding, sliding window; no softcapping, no dropout).
@@ -60,15 +67,18 @@ class UlyssesAttention(SPAttentionBackend):
     ``sp_size = a2a_size * ring_size`` (``A * R``; ``A`` without a ring; the size words:
     ``attention.contract``). The call prologue (first-call check across ranks, default mask, mask
     length) is :class:`~ulysses_sp.attention.contract.SPAttentionBackend`'s. Steady state:
-    2 collectives forward, 2 backward (2C and 2C with C head chunks).
+    2 collectives forward, 2 backward (2C and 3C with C head chunks).
     """
 
     def __init__(
         self, sp_group: ProcessGroup | None, kernel: str | Kernel = "sdpa", head_chunks: int = 1,
-        ring_group: ProcessGroup | None = None,
+        ring_group: ProcessGroup | None = None, head_chunk_bytes: int | None = None,
     ) -> None:
         if isinstance(head_chunks, bool) or not isinstance(head_chunks, int) or head_chunks < 1:
             raise ValueError(f"head_chunks must be a positive integer, got {head_chunks!r}.")
+        if head_chunk_bytes is not None and (isinstance(head_chunk_bytes, bool) or not isinstance(head_chunk_bytes, int)
+                                             or head_chunk_bytes < 1):
+            raise ValueError(f"head_chunk_bytes must be a positive integer or None, got {head_chunk_bytes!r}.")
         super().__init__(sp_group)
         self.sp_group = sp_group  # the all-to-all group
         self.a2a_size = 1 if sp_group is None else dist.get_world_size(sp_group)
@@ -81,6 +91,7 @@ class UlyssesAttention(SPAttentionBackend):
         self.kernel: Kernel = self.ring if self.ring is not None else (
             get_kernel(kernel) if isinstance(kernel, str) else kernel)
         self.head_chunks = head_chunks
+        self.head_chunk_bytes = head_chunk_bytes
         self._plans: dict[tuple[int, int], HeadPlan] = {}
         self._chunks: dict[tuple[int, int], tuple[HeadChunk, ...]] = {}
 
@@ -127,10 +138,23 @@ class UlyssesAttention(SPAttentionBackend):
             qa, qb = part.q_ranges[self.a2a_rank]
             return self.kernel(q, k, v, mask, sinks=params[0][qa:qb], **kw)  # 3. this rank's heads' sinks
 
-        if self.a2a_size > 1 and plan.num_chunks(self.head_chunks) > 1:
-            key = (N, plan.num_kv_heads)
-            if key not in self._chunks:
-                self._chunks[key] = plan.chunks(self.head_chunks)
-            return head_chunked_attention(q_BNsH, k_BKsH, v_BKsH, self._chunks[key], self.sp_group, attend, params)
+        C = self.num_chunks(plan, q_BNsH, v_BKsH.shape[3])
+        if C > 1:
+            if (N, plan.num_kv_heads, C) not in self._chunks:
+                self._chunks[(N, plan.num_kv_heads, C)] = plan.chunks(C)
+            return head_chunked_attention(q_BNsH, k_BKsH, v_BKsH, self._chunks[(N, plan.num_kv_heads, C)],
+                                          self.sp_group, attend, params, replay_rng=dropout > 0)
         q, k, v = seq_to_head_qkv(q_BNsH, k_BKsH, v_BKsH, plan, self.sp_group)  # 1.
         return head_to_seq_out(attend(q, k, v, plan), plan, self.sp_group)  # 4.
+
+    def num_chunks(self, plan: HeadPlan, q_BNsH: torch.Tensor, Hv: int) -> int:
+        """The head chunks of a call with this plan and ``q (B,N,s,H)``: ``head_chunks``, or more when
+        ``head_chunk_bytes`` needs them; 1 without an all-to-all. Equal on every rank (same shapes)."""
+        if self.a2a_size == 1:
+            return 1
+        C = plan.num_chunks(self.head_chunks)
+        if self.head_chunk_bytes is not None:
+            B, _, s, H = q_BNsH.shape
+            C = max(C, chunks_for_bytes(plan, self.head_chunk_bytes, B, s * self.a2a_size, H, Hv,
+                                        q_BNsH.element_size()))
+        return C

@@ -96,11 +96,12 @@ class UlyssesSP:
         if self.ring_size > 1:  # Ulysses x ring: all-to-all inside sp_size // ring_size ranks, a ring across
             a2a_group, ring_group = mesh.ulysses_ring_groups(self.ring_size)
             self.attention: SPAttention = build_attention(
-                "ulysses", a2a_group, self.kernel, config.sp_head_chunks, ring_group=ring_group)
+                "ulysses", a2a_group, self.kernel, config.sp_head_chunks, ring_group=ring_group,
+                head_chunk_bytes=config.head_chunk_bytes)
         else:
             self.attention = build_attention(
-                config.sp_backend, mesh.sp_group if mesh.sp_size > 1 else None, self.kernel, config.sp_head_chunks
-            )
+                config.sp_backend, mesh.sp_group if mesh.sp_size > 1 else None, self.kernel, config.sp_head_chunks,
+                head_chunk_bytes=config.head_chunk_bytes)
         self.key = f"{KEY_PREFIX}_{next(_counter)}_{config.sp_backend}_{self.kernel}"
         self._adapter = AttentionAdapter(self.attention, mesh.sp_size)
         self._router_aux = RouterAuxLoss(self.base, mesh)

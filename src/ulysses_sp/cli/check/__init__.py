@@ -17,8 +17,8 @@ if TYPE_CHECKING:
     from ulysses_sp.cli.check.engine import CheckReport
 
 
-CONFIG_FLAGS = ("sp_size", "sp_ring_size", "sp_head_chunks", "tiled_loss_tokens", "tiled_mlp_tokens",
-                "offload_activations")
+CONFIG_FLAGS = ("sp_size", "sp_ring_size", "sp_head_chunks", "sp_head_chunk_mib", "tiled_loss_tokens",
+                "tiled_mlp_tokens", "offload_activations")
 """The ``UlyssesSPConfig`` fields the SP run takes from the command line (flags made from the config, as
 ``train``'s; the backend is ``ulysses``, the kernel ``--attn-implementation``, in both runs)."""
 
@@ -66,10 +66,12 @@ def format_report(report: CheckReport) -> str:
         f"  SP: P={P} {report.backend} processes, {s} tokens per rank (S padded to {s * P}); "
         f"time: reference {report.ref_seconds:.1f} s, SP {report.sp_seconds:.1f} s (with process start)",
         *([f"  SP memory features: tiled loss {o.tiled_loss_tokens or 'off'}, tiled MLP {o.tiled_mlp_tokens or 'off'}"
-           f" (tokens per tile), head chunks {o.sp_head_chunks}, activation checkpointing "
+           f" (tokens per tile), head chunks {o.sp_head_chunks}"
+           f"{f' (or {o.sp_head_chunk_mib:g} MiB a chunk)' if o.sp_head_chunk_mib else ''}, activation checkpointing "
            f"{'on (train mode, dropout 0 in both runs)' if o.gradient_checkpointing else 'off'}"
            f"{', offloaded' if o.offload_activations else ''}"]
-          if o.tiled_loss_tokens or o.tiled_mlp_tokens or o.sp_head_chunks > 1 or o.gradient_checkpointing else []),
+          if o.tiled_loss_tokens or o.tiled_mlp_tokens or o.sp_head_chunks > 1 or o.sp_head_chunk_mib
+          or o.gradient_checkpointing else []),
         "",
         f"  {'quantity':<22}{'reference':>14}{'SP':>14}{'abs diff':>11}{'rel diff':>11}{'tolerance':>11}  result",
         f"  {'loss':<22}{c.loss_ref:>14.6f}{c.loss_sp:>14.6f}{c.loss_abs:>11.2e}{c.loss_rel:>11.2e}"

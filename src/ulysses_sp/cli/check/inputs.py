@@ -40,6 +40,7 @@ class CheckOptions:
     tiled_loss_tokens: int | None = None  # the SP run with the tiled lm_head + loss (UlyssesSPConfig's field)
     tiled_mlp_tokens: int | None = None  # the SP run with tiled MLPs
     sp_head_chunks: int = 1  # the SP run's local heads in this many chunks (UlyssesSPConfig's field)
+    sp_head_chunk_mib: float | None = None  # or as many chunks as this per-chunk MiB target needs
     # the SP run with activation checkpointing (both runs in train mode, every dropout probability of
     # the config set to 0 so that train mode is deterministic); offload: its layer inputs on the CPU
     gradient_checkpointing: bool = False

@@ -1,0 +1,245 @@
+"""Head-chunked Ulysses attention: full-length tensors of ONE chunk of heads at a time, forward and backward.
+
+Shape legend: see ``ulysses_sp.comm.layout``; ``n_c`` / ``k_c`` the query / kv heads of one chunk.
+
+The layer is one autograd function that saves only its sequence-sharded inputs ``q (B,N,s,H)``,
+``k, v (B,K,s,H)`` (and the params, e.g. sinks). No full-length tensor outlives its chunk::
+
+    forward (no graph)    for c in chunks:  qkv(c) --a2a--> q (B,n_c,S,H) ...  attend  o(c) --a2a--> o (B,s,N,Hv)
+                          qkv(c+1) is in flight while chunk c computes; o(c) while chunk c+1's lands
+    backward              for c in chunks (same order):
+                            1. qkv(c) and the output grad go(c) --a2a--> full length (2 collectives)
+                            2. the grads of chunk c-1 land (their exchange ran alongside step 1)
+                            3. recompute attend(c) with a graph, run its backward: dq, dk, dv of the chunk
+                            4. dq|dk|dv(c) --a2a--> back to the sequence shards (in flight during c+1's step 1)
+
+Collectives per layer: 2C forward, 3C backward (``attention_comm(..., head_chunks=C)``). Bytes: the
+forward's are the unchunked layer's; the backward adds one more q|k|v exchange (the recompute's
+inputs) to the unchunked backward. A kv head read by two chunks is received once in the forward
+(the next chunk keeps its last kv head, "carried", ``HeadChunk.carried``) and in the backward;
+its gradient is held back until the last chunk reading it is done, then sent once.
+
+Under activation checkpointing the layer's recompute calls this forward again: it saves the same
+sharded inputs, nothing full-length. With ``dropout > 0`` the RNG state at the forward is replayed
+before the recompute, so every chunk draws the same dropout mask in both passes.
+
+Peak of the layer (besides the sharded inputs, the output and its gradient): forward, one chunk's
+q/k/v/o plus the next chunk's q/k/v in flight; backward, one chunk's q/k/v/o, go and dq/dk/dv plus
+the kernel's temporaries (``chunk_live_bytes``). ``chunks_for_bytes`` picks C from a byte target.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch.autograd.function import once_differentiable
+from torch.distributed import ProcessGroup
+
+from ulysses_sp.comm import layout
+from ulysses_sp.comm.layout import HeadChunk, HeadPlan
+
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, HeadChunk, tuple[torch.Tensor, ...]], torch.Tensor]
+"""``attend(q (B,n,S,H), k (B,k,S,H), v (B,k,S,Hv), chunk, params) -> o (B,S,n,Hv)`` for one chunk of
+heads; ``params``: the differentiable tensors besides q, k, v that attention reads (e.g. sinks)."""
+
+
+class _InFlight:
+    """One asynchronous ``all_to_all_single``; the buffers live until :meth:`wait` returns the received one."""
+
+    def __init__(self, packed: tuple[torch.Tensor, list[int]], recv_sizes: list[int], group: ProcessGroup) -> None:
+        self.send, send_sizes = packed
+        self.recv = self.send.new_empty(sum(recv_sizes))
+        self.work = dist.all_to_all_single(self.recv, self.send, recv_sizes, send_sizes, group=group, async_op=True)
+
+    def wait(self) -> torch.Tensor:
+        self.work.wait()
+        # the work object holds the buffers too: drop it, so the caller holds the only reference
+        recv, self.send, self.recv, self.work = self.recv, None, None, None
+        return recv
+
+
+class _Chunks:
+    """Per-rank bookkeeping of one layer call: the chunk exchanges and the carried kv head."""
+
+    def __init__(self, chunks: tuple[HeadChunk, ...], group: ProcessGroup, dims: tuple[int, ...]) -> None:
+        self.chunks, self.group, self.dims = chunks, group, dims
+        self.rank, self.P = dist.get_rank(group), chunks[0].sp_size
+        self.kept: tuple[torch.Tensor, torch.Tensor] | None = None  # last kv head of the previous chunk
+
+    def send_qkv(self, q_BNsH, k_BKsH, v_BKsH, c: int) -> _InFlight:
+        B, N, K, s, H, Hv = self.dims
+        chunk = self.chunks[c]
+        return _InFlight(layout.pack_qkv(q_BNsH, k_BKsH, v_BKsH, chunk),
+                         [chunk.qkv_numels(self.rank, B, s, H, Hv)] * self.P, self.group)
+
+    def receive_qkv(self, buf: torch.Tensor, c: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Chunk ``c``'s ``q (B,n_c,S,H)`` and the kv heads its queries read, the carried one first."""
+        B, N, K, s, H, Hv = self.dims
+        chunk, S = self.chunks[c], self.P * s
+        (ra, rb), carried = chunk.kv_read_ranges[self.rank], chunk.carried(self.rank)
+        q = buf.new_empty(B, chunk.num_local_heads(self.rank)[0], S, H)
+        k, v = buf.new_empty(B, rb - ra, S, H), buf.new_empty(B, rb - ra, S, Hv)
+        if carried:
+            k[:, :1].copy_(self.kept[0])
+            v[:, :1].copy_(self.kept[1])
+        layout.unpack_qkv(buf, chunk, self.rank, B, s, H, Hv, into=(q, k[:, carried:], v[:, carried:]))
+        carries = c + 1 < len(self.chunks) and self.chunks[c + 1].carried(self.rank)
+        self.kept = (k[:, -1:].clone(), v[:, -1:].clone()) if carries else None
+        return q, k, v
+
+    def carry_out(self, c: int, rank: int) -> int:
+        """1 if chunk ``c + 1`` reads ``rank``'s last kv head of chunk ``c`` again (its grad waits for it)."""
+        return int(c + 1 < len(self.chunks) and self.chunks[c + 1].carried(rank) == 1)
+
+    def grad_chunk(self, c: int) -> HeadChunk:
+        """Chunk ``c`` with ``kv_ranges`` = the kv heads whose (complete) gradients it sends back."""
+        chunk = self.chunks[c]
+        ranges = tuple((a, b - self.carry_out(c, j)) for j, (a, b) in enumerate(chunk.kv_read_ranges))
+        return dataclasses.replace(chunk, kv_ranges=ranges)
+
+
+class _HeadChunkedAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q_BNsH, k_BKsH, v_BKsH, chunks: tuple[HeadChunk, ...], group: ProcessGroup, attend: Attend,
+                replay_rng: bool, *params: torch.Tensor):
+        B, N, s, H = q_BNsH.shape
+        K, Hv = k_BKsH.shape[1], v_BKsH.shape[3]
+        run = _Chunks(chunks, group, (B, N, K, s, H, Hv))
+        ctx.rng = _rng_state(q_BNsH.device) if replay_rng else None
+        out = q_BNsH.new_empty(B, s, N, Hv)
+        sent_out: tuple[_InFlight, HeadChunk] | None = None
+        qkv_next = run.send_qkv(q_BNsH, k_BKsH, v_BKsH, 0)
+        for c, chunk in enumerate(chunks):
+            qkv = qkv_next
+            if c + 1 < len(chunks):
+                qkv_next = run.send_qkv(q_BNsH, k_BKsH, v_BKsH, c + 1)  # in flight while chunk c computes
+            q, k, v = run.receive_qkv(qkv.wait(), c)
+            o_BSnH = attend(q, k, v, chunk, params) if q.shape[1] else q.new_empty(B, run.P * s, 0, Hv)
+            del q, k, v
+            recv_sizes = [B * s * (qb - qa) * Hv for qa, qb in chunk.q_ranges]
+            sending = (_InFlight(layout.pack_out(o_BSnH, chunk), recv_sizes, group), chunk)
+            del o_BSnH
+            if sent_out is not None:
+                layout.unpack_out(sent_out[0].wait(), sent_out[1], B, s, Hv, into=out)
+            sent_out = sending
+        layout.unpack_out(sent_out[0].wait(), sent_out[1], B, s, Hv, into=out)
+        ctx.save_for_backward(q_BNsH, k_BKsH, v_BKsH, *params)
+        ctx.chunks, ctx.group, ctx.attend = chunks, group, attend
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g_BsNH):
+        q_BNsH, k_BKsH, v_BKsH, *params = ctx.saved_tensors
+        B, N, s, H = q_BNsH.shape
+        K, Hv = k_BKsH.shape[1], v_BKsH.shape[3]
+        run = _Chunks(ctx.chunks, ctx.group, (B, N, K, s, H, Hv))
+        g_BsNH = g_BsNH.contiguous()
+        grads = (q_BNsH.new_empty(B, N, s, H), k_BKsH.new_zeros(B, K, s, H), v_BKsH.new_zeros(B, K, s, Hv))
+        leaves = tuple(p.detach().requires_grad_(p.requires_grad) for p in params)
+        param_grads: list[torch.Tensor | None] = [None] * len(params)
+        with torch.random.fork_rng(devices=_rng_devices(q_BNsH.device), enabled=ctx.rng is not None):
+            if ctx.rng is not None:
+                _set_rng_state(q_BNsH.device, ctx.rng)
+            pending, sent_grads = None, None
+            for c, chunk in enumerate(run.chunks):
+                n = chunk.num_local_heads(run.rank)[0]
+                qkv = run.send_qkv(q_BNsH, k_BKsH, v_BKsH, c)  # 1.
+                gout = _InFlight(layout.pack_out_grad(g_BsNH, chunk), [B * s * n * Hv] * run.P, ctx.group)
+                if sent_grads is not None:  # 2.
+                    layout.unpack_qkv_grad(sent_grads[0].wait(), sent_grads[1], B, s, H, Hv, into=grads)
+                q, k, v = run.receive_qkv(qkv.wait(), c)
+                go = layout.unpack_out_grad(gout.wait(), chunk, run.rank, B, s, Hv)
+                dq, dk, dv, dp = _chunk_grads(ctx.attend, q, k, v, go, chunk, leaves)  # 3.
+                del q, k, v, go
+                param_grads = [a if b is None else b if a is None else a + b for a, b in zip(param_grads, dp)]
+                if pending is not None:  # the previous chunk's last kv head, read here again
+                    dk[:, :1] += pending[0]
+                    dv[:, :1] += pending[1]
+                last = dk.shape[1] - run.carry_out(c, run.rank)
+                pending = (dk[:, last:].clone(), dv[:, last:].clone()) if last < dk.shape[1] else None
+                grad_chunk = run.grad_chunk(c)
+                recv_sizes = [grad_chunk.qkv_numels(j, B, s, H, Hv) for j in range(run.P)]
+                packed = layout.pack_qkv_grad(dq, dk[:, :last], dv[:, :last], grad_chunk)
+                sent_grads = (_InFlight(packed, recv_sizes, ctx.group), grad_chunk)  # 4.
+                del dq, dk, dv, packed
+            layout.unpack_qkv_grad(sent_grads[0].wait(), sent_grads[1], B, s, H, Hv, into=grads)
+        return (*grads, None, None, None, None, *param_grads)
+
+
+def _chunk_grads(attend: Attend, q, k, v, go_BSnH, chunk: HeadChunk, params: tuple[torch.Tensor, ...]) -> tuple:
+    """Recompute chunk ``chunk``'s attention with a graph; ``(dq, dk, dv, [d param or None])``."""
+    if not q.shape[1]:
+        return q, k, v, [None] * len(params)
+    wanted = [p for p in params if p.requires_grad]
+    with torch.enable_grad():
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        o_BSnH = attend(q, k, v, chunk, params)
+        grads = list(torch.autograd.grad(o_BSnH, (q, k, v, *wanted), go_BSnH, allow_unused=True))
+    found = iter(grads[3:])
+    dq, dk, dv = (g if g is not None else torch.zeros_like(t) for g, t in zip(grads[:3], (q, k, v)))
+    return dq, dk, dv, [next(found) if p.requires_grad else None for p in params]
+
+
+def _rng_devices(device: torch.device) -> list:
+    return [device] if device.type == "cuda" else []
+
+
+def _rng_state(device: torch.device) -> tuple:
+    return torch.get_rng_state(), (torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
+
+
+def _set_rng_state(device: torch.device, state: tuple) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)
+
+
+def head_chunked_attention(
+    q_BNsH: torch.Tensor, k_BKsH: torch.Tensor, v_BKsH: torch.Tensor, chunks: tuple[HeadChunk, ...],
+    group: ProcessGroup, attend: Attend, params: tuple[torch.Tensor, ...] = (), replay_rng: bool = False,
+) -> torch.Tensor:
+    """``attend`` on all tokens, one chunk of this rank's heads at a time, recomputed in backward.
+
+    Args:
+        q_BNsH, k_BKsH, v_BKsH: this rank's shard, all heads (as :func:`seq_to_head_qkv` takes them).
+        chunks: ``HeadPlan(N, K, P).chunks(C)``: the heads each exchange moves.
+        group: the sequence-parallel group (size >= 2).
+        attend: the attention of one chunk, ``(q (B,n,S,H), k, v, chunk, params) -> o (B,S,n,Hv)``,
+            differentiable and deterministic given the RNG state (it runs again in backward).
+        params: other tensors ``attend`` differentiates through (e.g. the ``(N,)`` attention
+            sinks); ``attend`` must read them from its ``params`` argument, not from a closure, or
+            their gradients are lost.
+        replay_rng: ``attend`` draws random numbers (attention dropout): replay the forward's RNG
+            state for the recompute.
+
+    Returns:
+        ``o (B, s, N, Hv)``, equal to ``head_to_seq_out(attend(seq_to_head_qkv(...)))``.
+    """
+    return _HeadChunkedAttention.apply(q_BNsH, k_BKsH, v_BKsH, chunks, group, attend, replay_rng, *params)
+
+
+def chunk_live_bytes(plan: HeadPlan, C: int, B: int, S: int, H: int, Hv: int, itemsize: int) -> int:
+    """Bytes of the full-length tensors one chunk holds in backward, the largest over ranks and chunks.
+
+    Per chunk of ``n_c`` query heads reading ``k_c`` kv heads: q, o, their grads and the output grad
+    ``B*S*n_c*(2H + 3Hv)``, k, v and their grads ``B*S*k_c*2*(H + Hv)`` (times ``itemsize``), and
+    the kernel's fp32 log-sum-exp ``B*S*n_c*4``. Not counted: the kernel's own temporaries.
+    """
+    worst = 0
+    for chunk in plan.chunks(C):
+        for r in range(plan.sp_size):
+            (qa, qb), (ka, kb) = chunk.q_ranges[r], chunk.kv_read_ranges[r]
+            n, k = qb - qa, kb - ka
+            worst = max(worst, B * S * (itemsize * (n * (2 * H + 3 * Hv) + k * 2 * (H + Hv)) + 4 * n))
+    return worst
+
+
+def chunks_for_bytes(plan: HeadPlan, limit_bytes: int, B: int, S: int, H: int, Hv: int, itemsize: int) -> int:
+    """The fewest head chunks whose :func:`chunk_live_bytes` fit ``limit_bytes`` (the most chunks if none do)."""
+    most = plan.num_chunks(plan.num_heads)
+    return next((C for C in range(1, most + 1) if chunk_live_bytes(plan, C, B, S, H, Hv, itemsize) <= limit_bytes),
+                most)
