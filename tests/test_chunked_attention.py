@@ -140,8 +140,9 @@ def _worker(rank, world, heads, models):
                         raise AssertionError(f"{where}: {e}") from e
 
 
-def _model_loss_and_grads(family, kind, mesh, head_chunks, checkpointing):
-    """A tiny HF model under UlyssesSP(sp_head_chunks=...): the global loss and the SP-summed grads."""
+def _model_loss_and_grads(family, kind, mesh, head_chunks, checkpointing, config=None):
+    """A tiny HF model under UlyssesSP(sp_head_chunks=...) (or ``config``): the global loss and the
+    SP-summed grads."""
     from tiny_models import tiny_batch, tiny_model
     from ulysses_sp import UlyssesSP, global_num_items, reported_loss
 
@@ -149,8 +150,10 @@ def _model_loss_and_grads(family, kind, mesh, head_chunks, checkpointing):
     if checkpointing:  # the chunked forward then runs again inside backward
         model.gradient_checkpointing_enable()
         model.train()
-    with UlyssesSP(model, mesh, UlyssesSPConfig(sp_size=mesh.sp_size, sp_head_chunks=head_chunks)) as sp:
-        assert sp.attention.head_chunks == head_chunks
+    config = config or UlyssesSPConfig(sp_size=mesh.sp_size, sp_head_chunks=head_chunks)
+    with UlyssesSP(model, mesh, config) as sp:
+        assert sp.attention.head_chunks == config.sp_head_chunks
+        assert sp.attention.head_chunk_bytes == config.head_chunk_bytes
         shard = sp.shard(tiny_batch(kind))
         loss = sp.forward_loss(model, shard, global_num_items(shard["shift_labels"], mesh.sp_group))
         loss.backward()

@@ -1,0 +1,134 @@
+"""Head-chunked attention keeps only sharded tensors between forward and backward, replays dropout
+in its recompute, and picks its chunk count from a byte target (``UlyssesSPConfig.sp_head_chunk_mib``).
+
+What autograd saves is recorded with ``torch.autograd.graph.saved_tensors_hooks`` installed inside
+the attention call: in the forward, and in the forward that activation checkpointing re-runs
+during backward. One gloo group of P=2 runs every case.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
+
+from dist_helper import spawn
+from ulysses_sp import SPMesh, UlyssesAttention, UlyssesSPConfig
+from ulysses_sp.comm.head_chunked import chunk_live_bytes, chunks_for_bytes
+from ulysses_sp.comm.layout import HeadPlan
+
+B, S, N, K, H = 2, 16, 6, 2, 4
+
+
+def _saving(attention, records):
+    """``attention`` wrapped so every tensor autograd saves inside it is recorded as its shape."""
+
+    def call(q, k, v, **kw):
+        def pack(t):
+            records.append(tuple(t.shape))
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            return attention(q, k, v, **kw)
+
+    return call
+
+
+def _inputs(rank, world, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, h, S, H, generator=gen) for h in (N, K, K))
+    s = S // world
+    return [t[:, :, rank * s:(rank + 1) * s].clone().requires_grad_() for t in (q, k, v)]
+
+
+def _check_saved(mesh, rank, world):
+    s = S // world
+    sharded = {(B, N, s, H), (B, K, s, H)}
+    for chunks, checkpointed in ((1, False), (3, False), (3, True)):
+        records = []
+        attention = _saving(UlyssesAttention(mesh.sp_group, "sdpa", head_chunks=chunks), records)
+        q, k, v = _inputs(rank, world)
+        if checkpointed:
+            # reentrant: the forward runs without a graph and backward re-runs it with one, so the
+            # probe inside sees exactly what the recompute saves (a non-reentrant checkpoint's own
+            # hooks would be bypassed by the probe's, which then keeps the tensors itself)
+            o = checkpoint(attention, q, k, v, use_reentrant=True)
+        else:
+            o = attention(q, k, v)
+        in_forward = len(records)
+        o.square().sum().backward()
+        full_length = [shape for shape in records if S in shape]
+        if chunks == 1:  # the probe sees the kernel's full-length saves (q, k, v, o of my heads)
+            assert full_length, records
+            continue
+        where = f"chunks={chunks} checkpointed={checkpointed}"
+        assert not full_length, f"{where}: full-length tensors saved for backward: {full_length}"
+        assert set(records) <= sharded and len(records) == 3, (where, records)
+        assert in_forward == (0 if checkpointed else 3), (where, in_forward)
+
+
+def _check_dropout_replay(mesh, rank, world):
+    # attention is linear in v for a fixed dropout mask: sum(o * g) == sum over ranks of <dL/dv, v>
+    # exactly when the recompute in backward drew the forward's mask (another mask breaks it by O(1))
+    q, k, v = _inputs(rank, world, seed=3)
+    g = torch.randn(B, S // world, N, H, generator=torch.Generator().manual_seed(rank))
+    torch.manual_seed(1234 + rank)
+    o = UlyssesAttention(mesh.sp_group, "sdpa", head_chunks=3)(q, k, v, dropout=0.5)
+    loss = (o * g).sum()
+    loss.backward()
+    both = torch.stack([loss.detach(), (v.grad * v.detach()).sum()]).double()
+    dist.all_reduce(both, group=mesh.sp_group)
+    # fp32 sums of ~500 O(1) products in two orders: ~1e-5 relative; a wrong mask is O(1)
+    torch.testing.assert_close(both[1], both[0], rtol=1e-4, atol=1e-4)
+
+
+def _check_byte_target(mesh, rank, world):
+    plan = HeadPlan(N, K, world)
+    one_chunk = chunk_live_bytes(plan, 1, B, S, H, H, 4)
+    for limit, want in ((one_chunk, 1), (one_chunk - 1, None), (1, plan.num_chunks(N))):
+        attention = UlyssesAttention(mesh.sp_group, "sdpa", head_chunk_bytes=limit)
+        C = attention.num_chunks(plan, torch.empty(B, N, S // world, H), H)
+        assert C == (want or chunks_for_bytes(plan, limit, B, S, H, H, 4)) and C >= 1
+        assert chunk_live_bytes(plan, C, B, S, H, H, 4) <= limit or C == plan.num_chunks(N)
+        if want is None:
+            assert C > 1
+    # a whole model under sp_head_chunk_mib equals it unchunked (tiny: 1 byte forces one head a chunk)
+    from test_chunked_attention import _model_loss_and_grads
+
+    ref_loss, ref_grads = _model_loss_and_grads("qwen3", "packed", mesh, 1, True)
+    config = UlyssesSPConfig(sp_size=world, sp_head_chunk_mib=1e-6)
+    loss, grads = _model_loss_and_grads("qwen3", "packed", mesh, 1, True, config=config)
+    # fp32, same inputs, summation order only (test_chunked_attention's SAME_TOL and scaled grads)
+    torch.testing.assert_close(loss, ref_loss, rtol=2e-6, atol=2e-6)
+    for name, ref in ref_grads.items():
+        scale = ref.abs().max().clamp_min(1e-8)
+        torch.testing.assert_close(grads[name] / scale, ref / scale, rtol=0, atol=1e-5, msg=name)
+
+
+def _worker(rank, world):
+    mesh = SPMesh.from_world(world)
+    _check_saved(mesh, rank, world)
+    _check_dropout_replay(mesh, rank, world)
+    _check_byte_target(mesh, rank, world)
+
+
+def test_chunked_layer_saves_only_sharded_inputs_replays_dropout_and_meets_byte_target():
+    """Bug caught: a chunked layer that keeps any full-length q/k/v/o for backward (its memory would
+    grow with all local heads again), also in the forward that activation checkpointing re-runs; a
+    recompute that draws another dropout mask than the forward (gradients of a different function);
+    a byte target that picks more chunks than needed, fewer than it needs, or does not reach a model
+    through ``UlyssesSPConfig.sp_head_chunk_mib`` (or changes its loss and gradients)."""
+    spawn(_worker, 2)
+
+
+def test_byte_target_is_validated():
+    """Bug caught: a chunk byte target that is not a positive number reaching the layer, or one given to the
+    ring backend (which has no head chunks) silently ignored."""
+    assert UlyssesSPConfig(sp_head_chunk_mib=0.5).head_chunk_bytes == 2**19
+    assert UlyssesSPConfig().head_chunk_bytes is None
+    for bad in (0, -1.0, True, "8", float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="sp_head_chunk_mib"):
+            UlyssesSPConfig(sp_head_chunk_mib=bad)
+    with pytest.raises(ValueError, match="ulysses"):
+        UlyssesSPConfig(sp_backend="ring", sp_head_chunk_mib=64)
+    with pytest.raises(ValueError, match="head_chunk_bytes"):
+        UlyssesAttention(None, "sdpa", head_chunk_bytes=0)
