@@ -199,7 +199,7 @@ def test_check_flags_come_from_the_config():
     add_arguments(parser)
     actions = {a.dest: a for a in parser._actions}
     fields = {f.name: f for f in dataclasses.fields(UlyssesSPConfig)}
-    assert len(CONFIG_FLAGS) == 6
+    assert len(CONFIG_FLAGS) == 7  # the six of issue 26 + sp_head_chunk_mib
     for name in CONFIG_FLAGS:
         action, field = actions[name], fields[name]
         assert action.option_strings == ["--" + name.replace("_", "-")]
