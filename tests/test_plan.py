@@ -84,7 +84,9 @@ def test_refuses_budgets_that_are_not_positive_finite(flags, message, capsys):
 def _features(rung: str, offload_optimizer: bool) -> MemoryFeatures:
     tiles = {"+ tiled loss": dict(tiled_loss_tokens=1024),
              "+ tiled MLP": dict(tiled_loss_tokens=1024, tiled_mlp_tokens=4096),
-             "+ offload": dict(tiled_loss_tokens=1024, tiled_mlp_tokens=4096, offload=True)}.get(rung, {})
+             "+ offload": dict(tiled_loss_tokens=1024, tiled_mlp_tokens=4096, offload=True),
+             "+ head chunks": dict(tiled_loss_tokens=1024, tiled_mlp_tokens=4096, offload=True, head_chunks=1 << 16),
+             }.get(rung, {})
     return MemoryFeatures(kernel_workspace=True, offload_optimizer=offload_optimizer, **tiles)
 
 
@@ -112,12 +114,14 @@ def test_json_record_says_what_the_estimator_says_and_checks_host_memory(capsys)
         assert rung["fits"] == ok(3_500_000, features)
         longest = rung["longest_seq_len"]
         assert longest > 0 and ok(longest, features) and not ok(longest + 64 * 8, features), rung
-    offload = record["rungs"][-1]
+    rungs = {r["features"]: r for r in record["rungs"]}
+    assert list(rungs)[-2:] == ["+ offload", "+ head chunks"]  # P > 1: the chunked rung last
+    offload = rungs["+ offload"]
     assert offload["required_bytes"] <= 80 * GIB and offload["host_bytes"] > host_gib * GIB  # only the host is short
     _, unchecked = plan_json(capsys, *LLAMA_8B, "--seq-len", "3500000", "--sp-size", "8", "--state-shards", "8",
                                 "--budget-gib", "80", "--offload-optimizer", "--peak-scale", str(scale),
                                 "--reserve-gib", str(reserve))
-    assert unchecked["rungs"][-1]["longest_seq_len"] > offload["longest_seq_len"]  # the host cap binds
+    assert unchecked["rungs"][-2]["longest_seq_len"] > offload["longest_seq_len"]  # the host cap binds
 
 
 @pytest.mark.parametrize("gpus,flags,host_gib,published", ALST, ids=["1 GPU", "8 GPUs", "32 GPUs"])
@@ -130,8 +134,27 @@ def test_alst_configurations_within_15_percent_and_in_the_docs_table(gpus, flags
                              "--state-shards", str(gpus), "--budget-gib", "80", "--offload-optimizer",
                              "--host-gib", str(host_gib), "--peak-scale", str(ALST_PEAK_SCALE),
                              "--reserve-gib", str(ALST_RESERVE_GIB), *flags)
-    predicted = record["rungs"][-1]["longest_seq_len"]
+    predicted = next(r["longest_seq_len"] for r in record["rungs"] if r["features"] == "+ offload")  # ALST's stack
     assert abs(predicted - published) <= 0.15 * published, (predicted, published)
     docs = (Path(__file__).parents[1] / "docs" / "memory.md").read_text()
     row = re.search(rf"^\| Llama-8B, {gpus} x H100 .*$", docs, flags=re.MULTILINE)
     assert row and f"{predicted:,}" in row.group(0), f"docs/memory.md row for {gpus} GPUs should show {predicted:,}"
+
+
+def test_head_chunks_rung_predicts_past_alst_where_ranks_hold_several_heads_and_is_in_the_docs(capsys):
+    """Bug caught: the planner not knowing the head-chunked layout (its rung equal to the offload rung
+    at 8 GPUs, where each rank holds 4 query heads), or inventing a gain where a rank holds one head
+    (32 GPUs: nothing to chunk), or docs/memory.md's chunked prediction drifting from the planner."""
+    common = [*LLAMA_8B, "--seq-len", "3700000", "--budget-gib", "80", "--offload-optimizer", "--host-gib", "221"]
+    docs = (Path(__file__).parents[1] / "docs" / "memory.md").read_text()
+    for gpus in (8, 32):
+        _, record = plan_json(capsys, *common, "--sp-size", str(gpus), "--state-shards", str(gpus))
+        rungs = {r["features"]: r["longest_seq_len"] for r in record["rungs"]}
+        if gpus == 8:
+            assert rungs["+ head chunks"] > 1.2 * rungs["+ offload"], rungs
+            row = re.search(r"^\| Llama-8B, 8 x H100 \| ALST 3.7M.*$", docs, flags=re.MULTILINE)
+            assert row and f"{rungs['+ head chunks']:,} (prediction)" in row.group(0)
+        else:
+            assert rungs["+ head chunks"] == rungs["+ offload"], rungs
+    _, single = plan_json(capsys, *common, "--sp-size", "1", "--state-shards", "1")
+    assert "+ head chunks" not in {r["features"] for r in single["rungs"]}  # no SP, no rung

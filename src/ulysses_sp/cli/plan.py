@@ -6,7 +6,8 @@
     ulysses-sp plan --model ./my_model_dir --seq-len 32768 --sp-size 2 --budget-gib 24 --dtype bfloat16
 
 Prints, for each feature set of the ladder (checkpointing -> + tiled loss -> + tiled MLP ->
-+ offload), the predicted peak of one step (activations + grads), the static memory (weights,
++ offload -> + head chunks when P > 1: ``sp_head_chunks``, attention's full-length tensors one
+chunk of heads at a time), the predicted peak of one step (activations + grads), the static memory (weights,
 optimizer states), the device bytes to budget, the host bytes per rank (offloaded activations,
 optimizer, weights), whether it fits, and the longest sequence that fits; then recommends the
 first (cheapest) feature set that fits. ``--json`` prints the same as one JSON record.
@@ -81,8 +82,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reserve-gib", type=float, default=None,
                         help="device memory held before any tensor: CUDA context, NCCL, cuBLAS workspaces "
                              f"(default {ALST_RESERVE_GIB:g} GiB, 0 with --cpu)")
-    parser.add_argument("--loss-tile", type=int, default=1024, help="tokens per tile of the tiled loss")
-    parser.add_argument("--mlp-tile", type=int, default=4096, help="tokens per tile of the tiled MLP")
+    parser.add_argument("--tiled-loss-tokens", "--loss-tile", dest="loss_tile", type=int, default=1024,
+                        help="tokens per tile of the tiled loss (UlyssesSPConfig.tiled_loss_tokens)")
+    parser.add_argument("--tiled-mlp-tokens", "--mlp-tile", dest="mlp_tile", type=int, default=4096,
+                        help="tokens per tile of the tiled MLP (UlyssesSPConfig.tiled_mlp_tokens)")
+    parser.add_argument("--sp-head-chunks", type=int, default=None,
+                        help="head chunks of the last rung (UlyssesSPConfig.sp_head_chunks); default: one query head "
+                             "a chunk (the most chunks, the least attention memory)")
     parser.add_argument("--cpu", action="store_true", help="the device is the CPU (offload frees nothing)")
     parser.add_argument("--json", action="store_true", help="print one JSON record instead of the table")
 
@@ -131,11 +137,15 @@ def ladder(args: argparse.Namespace) -> list[tuple[str, Any]]:
         ("+ tiled loss", MemoryFeatures(**base, tiled_loss_tokens=args.loss_tile)),
         ("+ tiled MLP", MemoryFeatures(**base, **tiles)),
         ("+ offload", MemoryFeatures(**base, **tiles, offload=True)),
+        *([("+ head chunks", MemoryFeatures(**base, **tiles, offload=True, head_chunks=args.sp_head_chunks or 1 << 16))]
+          if args.sp_size > 1 else []),
     ]
 
 
 def _check_numbers(args: argparse.Namespace) -> None:
     """``ValueError`` for a count below 1 or a memory size that is not a positive finite number."""
+    if args.sp_head_chunks is not None and args.sp_head_chunks < 1:
+        raise ValueError(f"--sp-head-chunks must be >= 1, got {args.sp_head_chunks}.")
     for name in ("seq_len", "sp_size", "batch_size", "state_shards", "loss_tile", "mlp_tile"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}.")
@@ -176,7 +186,7 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
                       "longest_seq_len": longest})
     settings = {k: getattr(args, k) for k in ("model", "seq_len", "sp_size", "budget_gib", "host_gib", "dtype",
                                               "batch_size", "optimizer", "state_shards", "offload_optimizer",
-                                              "offload_params", "loss_tile", "mlp_tile", "cpu")}
+                                              "offload_params", "loss_tile", "mlp_tile", "sp_head_chunks", "cpu")}
     settings.update(peak_scale=scale, reserve_gib=reserve / 2**30)
     recommended = next((r["features"] for r in rungs if r["fits"]), None)
     return {**settings, "rungs": rungs, "recommended": recommended}

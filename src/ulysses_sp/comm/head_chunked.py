@@ -120,8 +120,10 @@ class _HeadChunkedAttention(torch.autograd.Function):
             o_BSnH = attend(q, k, v, chunk, params) if q.shape[1] else q.new_empty(B, run.P * s, 0, Hv)
             del q, k, v
             recv_sizes = [B * s * (qb - qa) * Hv for qa, qb in chunk.q_ranges]
-            sending = (_InFlight(layout.pack_out(o_BSnH, chunk), recv_sizes, group), chunk)
-            del o_BSnH
+            packed = layout.pack_out(o_BSnH, chunk)
+            del o_BSnH  # packed: free it before the receive buffer is allocated
+            sending = (_InFlight(packed, recv_sizes, group), chunk)
+            del packed
             if sent_out is not None:
                 layout.unpack_out(sent_out[0].wait(), sent_out[1], B, s, Hv, into=out)
             sent_out = sending
@@ -164,8 +166,9 @@ class _HeadChunkedAttention(torch.autograd.Function):
                 grad_chunk = run.grad_chunk(c)
                 recv_sizes = [grad_chunk.qkv_numels(j, B, s, H, Hv) for j in range(run.P)]
                 packed = layout.pack_qkv_grad(dq, dk[:, :last], dv[:, :last], grad_chunk)
+                del dq, dk, dv  # packed: free them before the receive buffer is allocated
                 sent_grads = (_InFlight(packed, recv_sizes, ctx.group), grad_chunk)  # 4.
-                del dq, dk, dv, packed
+                del packed
             layout.unpack_qkv_grad(sent_grads[0].wait(), sent_grads[1], B, s, H, Hv, into=grads)
         return (*grads, None, None, None, None, *param_grads)
 
@@ -225,16 +228,18 @@ def head_chunked_attention(
 def chunk_live_bytes(plan: HeadPlan, C: int, B: int, S: int, H: int, Hv: int, itemsize: int) -> int:
     """Bytes of the full-length tensors one chunk holds in backward, the largest over ranks and chunks.
 
-    Per chunk of ``n_c`` query heads reading ``k_c`` kv heads: q, o, their grads and the output grad
-    ``B*S*n_c*(2H + 3Hv)``, k, v and their grads ``B*S*k_c*2*(H + Hv)`` (times ``itemsize``), and
-    the kernel's fp32 log-sum-exp ``B*S*n_c*4``. Not counted: the kernel's own temporaries.
+    Per chunk of ``n_c`` query heads reading ``k_c`` kv heads, what the kernel's backward holds: q
+    and dq, o and its gradient ``B*S*n_c*(2H + 2Hv)``, k, v, dk and dv ``B*S*k_c*2*(H + Hv)`` (times
+    ``itemsize``), and the fp32 log-sum-exp ``B*S*n_c*4``. Not counted: the kernel's own
+    temporaries. With grouped kv heads (N > K) a chunk needs a whole kv head even for one query
+    head, so the kv part shrinks with C only down to one kv head a chunk.
     """
     worst = 0
     for chunk in plan.chunks(C):
         for r in range(plan.sp_size):
             (qa, qb), (ka, kb) = chunk.q_ranges[r], chunk.kv_read_ranges[r]
             n, k = qb - qa, kb - ka
-            worst = max(worst, B * S * (itemsize * (n * (2 * H + 3 * Hv) + k * 2 * (H + Hv)) + 4 * n))
+            worst = max(worst, B * S * (itemsize * (n * (2 * H + 2 * Hv) + k * 2 * (H + Hv)) + 4 * n))
     return worst
 
 

@@ -33,6 +33,13 @@ states and the fp32 gradient partition live in host memory; the device keeps no 
 buckets. ``offload_params``: the weight partitions live in host memory too. ``host_bytes`` sums
 everything offloaded per rank.
 
+Head-chunked attention (``head_chunks = C > 1``, ``P > 1``, ``comm.head_chunked``): the kernel's
+full-length output is no longer saved (``saved`` loses ``NH``); the attention backward holds the
+sharded grads of q/k/v and of the output ``2NH + 2KH``, ``D``, and ONE chunk's full-length tensors
+``chunk_live_bytes(HeadPlan(N, K, A), C, B, A*s, H, H, e)`` (q, o, k, v and their grads of the
+chunk's heads over the all-to-all group's ``A*s`` tokens) instead of all heads' exchange buffers;
+the kernel workspace shrinks by ``C``.
+
 Tiled MLP replaces the ``T`` of the MLP term by ``min(T, B * t)``. Without checkpointing every
 layer keeps its saved tensors (``L`` times the layer term, no recompute). MoE blocks: ``I`` is
 ``top_k * moe_intermediate`` (+ the shared expert's), an estimate not checked by measurement.
@@ -52,6 +59,9 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+
+from ulysses_sp.comm.head_chunked import chunk_live_bytes
+from ulysses_sp.comm.layout import HeadPlan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +115,7 @@ class MemoryFeatures:
         kernel_workspace: count the CUDA attention kernels' backward workspace (module docstring).
         offload_optimizer: optimizer states, fp32 master weights and gradients in host memory.
         offload_params: weight partitions in host memory (ZeRO-3 ``offload_param``).
+        head_chunks: ``UlyssesSPConfig.sp_head_chunks`` (1 = unchunked attention; used when ``P > 1``).
     """
 
     checkpointing: bool = True
@@ -115,6 +126,7 @@ class MemoryFeatures:
     kernel_workspace: bool = False
     offload_optimizer: bool = False
     offload_params: bool = False
+    head_chunks: int = 1
 
 
 @dataclasses.dataclass
@@ -216,14 +228,36 @@ def _layer_terms(
     """(one layer's backward bytes, checkpointed-inputs bytes) for ``T`` local tokens."""
     D, I, L, NH, KH = m.hidden, m.intermediate, m.layers, m.heads * m.head_dim, m.kv_heads * m.head_dim
     t_mlp = min(T, batch_size * features.tiled_mlp_tokens) if features.tiled_mlp_tokens else T
-    saved = (4 * D + 3 * NH + 2 * KH) * T * e
+    chunked = _chunked_attention_bytes(m, T, e, sp_size, batch_size, features)
+    saved = (4 * D + 3 * NH + 2 * KH - (NH if chunked is not None else 0)) * T * e
     mlp_live = (6 * I * t_mlp + 2 * D * T) * e
-    attn_live = (2 * NH + 2 * KH + D + ((NH + 2 * KH) if sp_size > 1 else 0)) * T * e
-    if features.kernel_workspace:
-        attn_live += (4 * NH + (2 * NH * e if KH < NH else 0)) * T
+    if chunked is not None:
+        attn_live = chunked
+    else:
+        attn_live = (2 * NH + 2 * KH + D + ((NH + 2 * KH) if sp_size > 1 else 0)) * T * e
+        if features.kernel_workspace:
+            attn_live += (4 * NH + (2 * NH * e if KH < NH else 0)) * T
     layer = saved + max(mlp_live, attn_live)
     ckpt = L * T * D * e if features.checkpointing else (L - 1) * (saved + 4 * I * T * e)
     return layer, ckpt
+
+
+def _chunked_attention_bytes(
+    m: ModelDims, T: int, e: int, sp_size: int, batch_size: int, features: MemoryFeatures
+) -> int | None:
+    """The head-chunked attention's backward bytes (module docstring), or None when unchunked."""
+    if features.head_chunks <= 1 or sp_size == 1:
+        return None
+    A = sp_size // next(r for r in range(1, sp_size + 1) if sp_size % r == 0 and sp_size // r <= m.heads)
+    plan = HeadPlan(m.heads, m.kv_heads, A)
+    C = plan.num_chunks(features.head_chunks)
+    if C == 1:
+        return None
+    NH, KH, H = m.heads * m.head_dim, m.kv_heads * m.head_dim, m.head_dim
+    live = chunk_live_bytes(plan, C, batch_size, A * (T // batch_size), H, H, e)
+    if features.kernel_workspace:
+        live += (4 * NH + (2 * NH * e if KH < NH else 0)) * T // C
+    return (2 * NH + 2 * KH + m.hidden) * T * e + live
 
 
 def longest_sequence(
