@@ -194,3 +194,40 @@ def test_bench_documents_runs_every_system_on_the_same_packed_batch(tmp_path):
     assert records["ulysses", 4]["loss"] == pytest.approx(records["single", 4]["loss"], rel=1e-5)
     # 4 documents: no prediction crosses a boundary and attention stays inside documents
     assert records["single", 4]["loss"] != pytest.approx(records["single", 1]["loss"], rel=1e-5)
+
+
+def _restore_worker(rank, world):
+    import torch
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from ulysses_sp import CommCounter, SPMesh, current_attn_implementation
+    from ulysses_sp.cli.bench.systems import ModelSpec, build_model, deepspeed_step, make_batch, ours_step, single_step
+
+    spec = ModelSpec(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=8)
+    mesh, ids = SPMesh.from_world(world), make_batch(spec, 1, 32, torch.device("cpu"))
+    before = dict(ALL_ATTENTION_FUNCTIONS.items())
+    builders = {"single": lambda m, c: single_step(m, ids, own_kernel_key=True),
+                "ulysses": lambda m, c: ours_step(m, ids, mesh, c, backend="ulysses"),
+                "ulysses_chunked": lambda m, c: ours_step(m, ids, mesh, c, backend="ulysses", head_chunks=2),
+                "deepspeed": lambda m, c: deepspeed_step(m, ids, mesh, c)}
+    for name, build in builders.items():
+        model, counter = build_model(spec, 32, torch.device("cpu"), torch.float32), CommCounter()
+        step = build(model, counter)
+        with counter:
+            step.run(counter)
+        step.close()
+        after = dict(ALL_ATTENTION_FUNCTIONS.items())
+        assert after == before, f"{name}: registry entries changed: {set(after.items()) ^ set(before.items())}"
+        assert current_attn_implementation(model) == "sdpa", (name, current_attn_implementation(model))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed not installed")
+def test_every_bench_system_restores_what_it_registers():
+    """Bug caught: a bench system that leaves its attention function in transformers' global registry
+    (DeepSpeed's setup overwrote the 'sdpa' entry and never put it back, so every later system in the
+    process, and the one-process reference, ran DeepSpeed's attention) or leaves the model on its
+    own kernel key after ``Step.close()``."""
+    from dist_helper import spawn
+
+    spawn(_restore_worker, 2)

@@ -42,13 +42,12 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from ulysses_sp.attention.contract import SPAttentionBackend
 from ulysses_sp.attention.heads import repeat_kv
 from ulysses_sp.attention.masks import GlobalMask
-from ulysses_sp.comm.layout import zigzag_moves
+from ulysses_sp.comm.ring_p2p import Relayout, Ring, pack_flat, unpack_flat, wait_all
 from ulysses_sp.torch_internals import flash_attention_cpu, flash_attention_cpu_backward
 
 _NEG_INF = float("-inf")
@@ -151,40 +150,6 @@ def _block_backward(do, q, k, v, o, lse, allowed, causal_diag: bool, scale: floa
     return dq, _reduce_heads(dk, K), _reduce_heads(dv, K)
 
 
-class _Ring:
-    """Neighbour exchange on the ring of ``group``: send to r+1, receive from r-1 (one P2P batch)."""
-
-    def __init__(self, group: ProcessGroup | None) -> None:
-        self.group = group
-        self.size = 1 if group is None else dist.get_world_size(group)
-        self.rank = 0 if group is None else dist.get_rank(group)
-        if self.size > 1:
-            self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
-            self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
-
-    def start(self, send: torch.Tensor) -> tuple[torch.Tensor, list]:
-        recv = torch.empty_like(send)
-        ops = [dist.P2POp(dist.isend, send, self.next, self.group), dist.P2POp(dist.irecv, recv, self.prev, self.group)]
-        return recv, dist.batch_isend_irecv(ops)
-
-
-def _wait(works: list) -> None:
-    for work in works:
-        work.wait()
-
-
-def _pack(*tensors: torch.Tensor) -> torch.Tensor:
-    return torch.cat([t.reshape(-1) for t in tensors])
-
-
-def _unpack(buf: torch.Tensor, like: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
-    out, off = [], 0
-    for t in like:
-        out.append(buf[off : off + t.numel()].view(t.shape))
-        off += t.numel()
-    return out
-
-
 def _chunks(P: int, r: int, s: int, zigzag: bool) -> list[tuple[int, int, int]]:
     """``(global start, local start, length)`` of the token chunks rank ``r`` holds in the ring."""
     if not zigzag:
@@ -195,17 +160,17 @@ def _chunks(P: int, r: int, s: int, zigzag: bool) -> list[tuple[int, int, int]]:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, mask: GlobalMask, ring: _Ring, scale: float, window, zigzag: bool):
+    def forward(ctx, q, k, v, mask: GlobalMask, ring: Ring, scale: float, window, zigzag: bool):
         P, r, s = ring.size, ring.rank, q.shape[2]
         rows = [(row0, a, n, q[:, :, a:a + n].contiguous()) for row0, a, n in _chunks(P, r, s, zigzag)]
         B, N, Hv = q.shape[0], q.shape[1], v.shape[3]
         o = torch.zeros(B, N, s, Hv, dtype=torch.float32, device=q.device)
         lse = torch.full((B, N, s), _NEG_INF, dtype=torch.float32, device=q.device)
-        buf = _pack(k, v)
+        buf = pack_flat(k, v)
         for t in range(P):
             src = (r - t) % P
             pending = ring.start(buf) if t < P - 1 else None
-            kt, vt = _unpack(buf, (k, v))
+            kt, vt = unpack_flat(buf, (k, v))
             for col0, a_k, m in _chunks(P, src, s, zigzag):
                 if zigzag:
                     kc, vc = kt[:, :, a_k:a_k + m].contiguous(), vt[:, :, a_k:a_k + m].contiguous()
@@ -218,7 +183,7 @@ class _RingAttention(torch.autograd.Function):
                     o_t, lse_t = _block_forward(qc, kc, vc, allowed, diag, scale)
                     o[:, :, a:a + n], lse[:, :, a:a + n] = _merge(o[:, :, a:a + n], lse[:, :, a:a + n], o_t, lse_t)
             if pending is not None:
-                _wait(pending[1])
+                wait_all(pending[1])
                 buf = pending[0]
         out = o.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -233,14 +198,14 @@ class _RingAttention(torch.autograd.Function):
         do = do.contiguous()
         rows = [(row0, a, n, *(x[:, :, a:a + n].contiguous() for x in (q, do, out)), lse[:, :, a:a + n].contiguous())
                 for row0, a, n in _chunks(P, r, s, zigzag)]
-        buf = _pack(k, v)
+        buf = pack_flat(k, v)
         dkv = torch.zeros(k.numel() + v.numel(), dtype=torch.float32, device=q.device)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         for t in range(P):
             src = (r - t) % P
             pending = ring.start(buf) if t < P - 1 else None
-            kt, vt = _unpack(buf, (k, v))
-            dk_t, dv_t = _unpack(dkv, (k, v))
+            kt, vt = unpack_flat(buf, (k, v))
+            dk_t, dv_t = unpack_flat(dkv, (k, v))
             for col0, a_k, m in _chunks(P, src, s, zigzag):
                 if zigzag:
                     kc, vc = kt[:, :, a_k:a_k + m].contiguous(), vt[:, :, a_k:a_k + m].contiguous()
@@ -256,52 +221,11 @@ class _RingAttention(torch.autograd.Function):
                     dv_t[:, :, a_k:a_k + m] += g[2]
             if P > 1:  # the accumulator of the block I hold goes one hop on; the P-th hop reaches its owner
                 dkv_next, works = ring.start(dkv)
-                _wait(works + (pending[1] if pending else []))
+                wait_all(works + (pending[1] if pending else []))
                 dkv = dkv_next
                 buf = pending[0] if pending else buf
-        dk, dv = _unpack(dkv, (k, v))
+        dk, dv = unpack_flat(dkv, (k, v))
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
-
-
-def _relayout(ring: _Ring, tensors: tuple[torch.Tensor, ...], dim: int, to_zigzag: bool) -> list[torch.Tensor]:
-    """Move the halves (along ``dim``) of ``tensors`` between contiguous and zigzag layouts: one P2P batch."""
-    P, r = ring.size, ring.rank
-    sends, recvs = zigzag_moves(P, r, to_zigzag)
-    halves = [[t.narrow(dim, h * (t.shape[dim] // 2), t.shape[dim] // 2) for t in tensors] for h in (0, 1)]
-    packed = [_pack(*halves[h]) for h in (0, 1)]
-    received: list[torch.Tensor | None] = [None, None]
-    ops = []
-    for h, dest, their_half in sends:
-        if dest == r:
-            received[their_half] = packed[h]
-        else:  # the tag is the receiver's half, so two chunks between one pair of ranks cannot swap
-            peer = dist.get_global_rank(ring.group, dest)
-            ops.append(dist.P2POp(dist.isend, packed[h], peer, ring.group, their_half))
-    for h, src in recvs:
-        if src != r:
-            received[h] = torch.empty_like(packed[h])
-            ops.append(dist.P2POp(dist.irecv, received[h], dist.get_global_rank(ring.group, src), ring.group, h))
-    if ops:
-        _wait(dist.batch_isend_irecv(ops))
-    out = []
-    pieces = [_unpack(received[h], tuple(halves[h])) for h in (0, 1)]
-    for i in range(len(tensors)):
-        out.append(torch.cat([pieces[0][i], pieces[1][i]], dim=dim))
-    return out
-
-
-class _Relayout(torch.autograd.Function):
-    """Contiguous <-> zigzag layout of several tensors along ``dim``; backward moves the grads back."""
-
-    @staticmethod
-    def forward(ctx, ring: _Ring, dim: int, to_zigzag: bool, *tensors: torch.Tensor):
-        ctx.ring, ctx.dim, ctx.to_zigzag = ring, dim, to_zigzag
-        return tuple(_relayout(ring, tensors, dim, to_zigzag))
-
-    @staticmethod
-    def backward(ctx, *grads: torch.Tensor):
-        grads = tuple(g.contiguous() for g in grads)
-        return (None, None, None, *_relayout(ctx.ring, grads, ctx.dim, not ctx.to_zigzag))
 
 
 def _merge(o, lse, o_t, lse_t):
@@ -332,7 +256,7 @@ class RingAttention(SPAttentionBackend):
 
     def __init__(self, sp_group: ProcessGroup | None, balance: bool = True) -> None:
         self.balance = balance
-        self.ring = _Ring(sp_group)
+        self.ring = Ring(sp_group)
         super().__init__(self.ring.group)
         self.ring_size = self.sp_size = self.ring.size
         self.ring_rank = self.sp_rank = self.ring.rank
@@ -360,10 +284,10 @@ class RingAttention(SPAttentionBackend):
         q, k, v = q_BNsH.contiguous(), k_BKsH.contiguous(), v_BKsH.contiguous()
         zigzag = self.zigzag_applies(s, mask, sliding_window)
         if zigzag:
-            q, k, v = _Relayout.apply(self.ring, 2, True, q, k, v)
+            q, k, v = Relayout.apply(self.ring, 2, True, q, k, v)
         o = _RingAttention.apply(q, k, v, mask, self.ring, scale, sliding_window, zigzag)
         if zigzag:
-            (o,) = _Relayout.apply(self.ring, 2, False, o)
+            (o,) = Relayout.apply(self.ring, 2, False, o)
         return o.transpose(1, 2)
 
     def zigzag_applies(self, s: int, mask: GlobalMask, sliding_window: int | None) -> bool:

@@ -6,7 +6,7 @@ No model knowledge lives here.
     HeadPlan(N, K, P)              pure layout math of the head <-> sequence exchange
     seq_to_head_qkv / head_to_seq_out
                                    the autograd all-to-alls (one for q|k|v, one for the output);
-                                   all_to_all.head_chunked_attention overlaps them per head chunk
+                                   head_chunked.head_chunked_attention: one chunk of heads at a time
     collectives                    collective_device, gather_signature, check_same_across_ranks,
                                    all_reduce_sum: written once, used by every layer above
     CommCounter                    counts collectives and bytes sent (instrumentation for the bench,

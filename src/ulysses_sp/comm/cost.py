@@ -40,7 +40,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ulysses_sp.comm.layout import HeadPlan, zigzag_moves
+from ulysses_sp.comm.layout import HeadPlan
+from ulysses_sp.comm.ring_p2p import zigzag_moves
 
 
 def _zigzag_terms(P: int, r: int, B: int, s: int, n: int, k: int, H: int, itemsize: int,

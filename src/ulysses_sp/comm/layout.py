@@ -341,24 +341,3 @@ def unpack_out_grad(buf: torch.Tensor, plan: HeadPlan | HeadChunk, rank: int, B:
     n, _ = plan.num_local_heads(rank)
     P = plan.sp_size
     return buf.view(P, B, s, n, Hv).transpose(0, 1).reshape(B, P * s, n, Hv)
-
-
-def zigzag_moves(P: int, r: int, to_zigzag: bool) -> tuple[list[tuple[int, int, int]], list[tuple[int, int]]]:
-    """The chunk exchange of rank ``r`` between contiguous and zigzag layouts (``P`` ranks, 2P chunks).
-
-    Returns ``(sends, recvs)``: ``sends`` lists ``(my half, destination rank, its half)`` and
-    ``recvs`` lists ``(my half, source rank)``; halves are 0 (first ``s/2`` tokens) or 1. Entries
-    with ``destination == r`` / ``source == r`` are local copies.
-    """
-    def zig_owner(chunk: int) -> tuple[int, int]:  # (rank, half) holding `chunk` in zigzag order
-        return (chunk, 0) if chunk < P else (2 * P - 1 - chunk, 1)
-
-    mine_contig = [2 * r, 2 * r + 1]
-    mine_zig = [r, 2 * P - 1 - r]
-    if to_zigzag:
-        sends = [(h, *zig_owner(chunk)) for h, chunk in enumerate(mine_contig)]
-        recvs = [(h, chunk // 2) for h, chunk in enumerate(mine_zig)]
-    else:
-        sends = [(h, chunk // 2, chunk % 2) for h, chunk in enumerate(mine_zig)]
-        recvs = [(h, zig_owner(chunk)[0]) for h, chunk in enumerate(mine_contig)]
-    return sends, recvs

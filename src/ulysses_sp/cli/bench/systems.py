@@ -164,7 +164,7 @@ def ours_step(model, ids_BS: torch.Tensor, mesh, counter: CommCounter, backend: 
         _finish(model, optimizer, loss, counter, group)
         return float(reported_loss(loss, mesh.sp_size, group))
 
-    return Step(run, model.config.num_hidden_layers)
+    return Step(run, model.config.num_hidden_layers, sp.unregister)
 
 
 def deepspeed_step(model, ids_BS: torch.Tensor, mesh, counter: CommCounter, documents: int = 1) -> Step:
