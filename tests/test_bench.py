@@ -184,12 +184,26 @@ def test_bench_ulysses_ring_system_counts_bytes_of_its_formula(tmp_path):
 
 def test_bench_documents_runs_every_system_on_the_same_packed_batch(tmp_path):
     """Bug caught: ``--documents`` not reaching a system (it would train on one long document: a
-    different loss from the packed one process), or packed records compared with unpacked ones."""
+    different loss from the packed one process), packed records compared with unpacked ones, and the
+    attention time per token missing (or not compared with the one-document row); the paired one
+    process under its own registry key getting no mask from transformers (its packed rows attended
+    across documents)."""
     out = tmp_path / "bench.json"
-    code = main(["bench", *TINY, "--systems", "single", "ulysses", "--mode", "isolated", "--documents", "1", "4",
-                 "--json", str(out)])
-    records = {(r["system"], r["documents"]): r for r in json.loads(out.read_text())}
+    code = main(["bench", *TINY, "--systems", "single", "ulysses", "--mode", "both", "--documents", "1", "4",
+                 "--json", str(out), "--markdown", str(tmp_path / "b.md")])
+    everything = json.loads(out.read_text())
+    records = {(r["system"], r["documents"]): r for r in everything if r.get("mode") != "paired"}
+    paired = {r["documents"]: r for r in everything if r.get("mode") == "paired"}
+    # the paired one process (own registry key) must see the packed masks too: fp32 reordering only
+    for docs in (1, 4):
+        assert paired[docs]["one_process_loss"] == pytest.approx(paired[docs]["loss"], rel=1e-5), docs
     assert code == 0 and set(records) == {(s, d) for s in ("single", "ulysses") for d in (1, 4)}
+    # attention is timed apart from the step (every system, forward + backward) and reported per token
+    for r in records.values():
+        assert 0 < r["attention_seconds"] < r["median_step_seconds"], r
+        assert r["attention_us_per_token"] == pytest.approx(r["attention_seconds"] / 32 * 1e6)
+    text = (tmp_path / "b.md").read_text()
+    assert "attention vs 1 document" in text and "| 32 | 2 | ulysses" in text.split("Packed rows")[1]
     # fp32, same weights and packed batch; only summation order differs: 1e-5 relative
     assert records["ulysses", 4]["loss"] == pytest.approx(records["single", 4]["loss"], rel=1e-5)
     # 4 documents: no prediction crosses a boundary and attention stays inside documents

@@ -14,6 +14,10 @@ Each record is ``(op, bytes_sent, phase, scope)``:
   in forward AND in backward (identity autograd markers around the call switch the scope when
   autograd enters and leaves the attention's backward), else ``None``.
 
+The same markers time the attention: ``attention_seconds`` sums the wall time spent inside wrapped
+attention calls, forward and backward (with a CUDA synchronize at each marker on GPU tensors), so
+``ulysses-sp bench`` can report attention time per token apart from the rest of the step.
+
 Bytes are what THIS rank puts on the wire in the algorithm-independent sense: all-to-all: the
 chunks for other ranks; all-gather: its input times (P-1); reduce-scatter: (P-1)/P of its input;
 all-reduce: 2(P-1)/P of the tensor (ring all-reduce); point-to-point: the tensors it sends.
@@ -22,6 +26,7 @@ all-reduce: 2(P-1)/P of the tensor (ring all-reduce); point-to-point: the tensor
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -93,7 +98,9 @@ class CommCounter:
     records: list[CommRecord] = field(default_factory=list)
     phase: str | None = None
     scope: str | None = None
+    attention_seconds: float = 0.0  # wall time inside wrapped attention calls, forward + backward
     _saved: dict[str, Callable] = field(default_factory=dict)
+    _attention_start: float | None = None
 
     def __enter__(self) -> CommCounter:
         for op in _PATCHED:
@@ -129,14 +136,27 @@ class CommCounter:
 
         def wrapped(module, query, key, value, *args: Any, **kwargs: Any):
             query, key, value = _LeaveInBackward.apply(self, query, key, value)
-            self.scope = "attention"
+            self.enter_attention(query)
             try:
                 out, weights = attention_fn(module, query, key, value, *args, **kwargs)
             finally:
-                self.scope = None
+                self.leave_attention(query)
             return _EnterInBackward.apply(self, out), weights
 
         return wrapped
+
+    def enter_attention(self, like: torch.Tensor) -> None:
+        """Scope ``attention`` from now on, and start its clock."""
+        self.scope = "attention"
+        _sync(like)
+        self._attention_start = time.perf_counter()
+
+    def leave_attention(self, like: torch.Tensor) -> None:
+        """End the ``attention`` scope and add its time to ``attention_seconds``."""
+        _sync(like)
+        if self._attention_start is not None:
+            self.attention_seconds += time.perf_counter() - self._attention_start
+        self.scope, self._attention_start = None, None
 
     def select(self, phase: str | None = None, scope: str | None = None) -> list[CommRecord]:
         """Records with the given phase and scope (``None`` matches anything)."""
@@ -153,7 +173,7 @@ class _EnterInBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        ctx.counter.scope = "attention"
+        ctx.counter.enter_attention(grad)
         return None, grad
 
 
@@ -167,5 +187,10 @@ class _LeaveInBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, gq, gk, gv):
-        ctx.counter.scope = None
+        ctx.counter.leave_attention(gq)
         return None, gq, gk, gv
+
+
+def _sync(like: torch.Tensor) -> None:
+    if like.is_cuda:
+        torch.cuda.synchronize(like.device)

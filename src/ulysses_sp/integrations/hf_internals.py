@@ -19,13 +19,17 @@ from transformers import AttentionInterface, PreTrainedModel
 
 
 def unregister_attention_function(key: str) -> None:
-    """Remove ``key`` from transformers' global attention registry.
+    """Remove ``key`` from transformers' global attention registry (and from its mask registry).
 
-    ``AttentionInterface.register`` is public but has no inverse, and ``del`` on an interface
-    instance only removes local overrides; without this, every ``UlyssesSP`` ever created would
-    stay referenced by the class-wide registry (and keep its model's process group alive).
+    ``AttentionInterface.register`` / ``AttentionMaskInterface.register`` are public but have no
+    inverse, and ``del`` on an interface instance only removes local overrides; without this, every
+    ``UlyssesSP`` ever created would stay referenced by the class-wide registry (and keep its
+    model's process group alive).
     """
+    from transformers.masking_utils import AttentionMaskInterface
+
     AttentionInterface._global_mapping.pop(key, None)
+    AttentionMaskInterface._global_mapping.pop(key, None)
 
 
 def dispatches_attention(model: PreTrainedModel) -> bool:

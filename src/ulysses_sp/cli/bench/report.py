@@ -242,11 +242,33 @@ def markdown(records: Sequence[dict], command: str = "") -> str:
             f"| {r['collectives_per_layer']:g} ({r['collectives_per_layer_backward']:g}) | {r['loss']:.6f} "
             f"| {r['formula']} |"
         )
-    lines += ["", *scaling_table(records)]
+    lines += ["", *scaling_table(records), *documents_table(records)]
     problems = check_records(records)
     lines += ["", "Checks (loss vs one process, bytes within 5% of the formula, collectives per layer): "
               + ("all pass." if not problems else "; ".join(problems))]
     return "\n".join(lines) + "\n"
+
+
+def documents_table(records: Sequence[dict]) -> list[str]:
+    """Markdown (empty without packed rows): each system's attention time per token on rows of N
+    documents, against the same system on one document per row (same S and P)."""
+    packed = [r for r in records if r.get("documents", 1) > 1 and r.get("attention_seconds") is not None]
+    if not packed:
+        return []
+    lines = ["", "Packed rows: wall time inside the attention calls (forward + backward, slowest rank) per token, "
+             "against the same system with one document per row:", "",
+             "| S | P | system | documents | attention ms / step | attention us / token | attention vs 1 document "
+             "| step vs 1 document |", "|---|---|---|---|---|---|---|---|"]
+    for r in sorted(records, key=lambda r: (*_key(r), r.get("documents", 1))):
+        if r.get("attention_seconds") is None or not any(_key(p) == _key(r) for p in packed):
+            continue
+        one = _find(records, r["system"], r["sp_size"], r["seq_len"])
+        attn = r["attention_seconds"] / one["attention_seconds"] if one and one.get("attention_seconds") else None
+        step = r["median_step_seconds"] / one["median_step_seconds"] if one else None
+        lines.append(f"| {r['seq_len']} | {r['sp_size']} | {_system(r)} | {r.get('documents', 1)} "
+                     f"| {r['attention_seconds'] * 1e3:.1f} | {r['attention_us_per_token']:.2f} | {_fmt(attn)} "
+                     f"| {_fmt(step)} |")
+    return lines
 
 
 def scaling_table(records: Sequence[dict]) -> list[str]:

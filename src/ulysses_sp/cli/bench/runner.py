@@ -98,7 +98,7 @@ def setup_system(job: Job, device: torch.device, counter: CommCounter) -> tuple[
     ids = make_batch(job.spec, job.batch_size, job.seq_len, device)
     docs = job.documents
     if job.system == "single":
-        return single_step(model, ids, documents=docs), model
+        return single_step(model, ids, documents=docs, counter=counter), model
     mesh = SPMesh.from_world(job.sp_size)
     if job.system == "deepspeed":
         return deepspeed_step(model, ids, mesh, counter, documents=docs), model
@@ -162,9 +162,14 @@ def _worker(rank: int, world: int, job: Job, out_path: str) -> None:
     with counter:
         losses.append(step.run(counter))
     comm = _comm_summary(counter, step.num_layers)
-    times = [timed_step(step, counter, device) for _ in range(job.repeats)]
+    times, attention = [], []
+    for _ in range(job.repeats):
+        counter.attention_seconds = 0.0
+        times.append(timed_step(step, counter, device))
+        attention.append(counter.attention_seconds)  # inside the attention calls, forward + backward
     peak = _gather(_memory_peak(device) - base, device, world)
     slowest = [max(_gather(t, device, world)) for t in times]
+    attention = [max(_gather(a, device, world)) for a in attention]
     bytes_fwd = _gather(comm["bytes_sent_per_rank_forward"], device, world)
     bytes_bwd = _gather(comm["bytes_sent_per_rank_backward"], device, world)
     step.close()
@@ -179,6 +184,8 @@ def _worker(rank: int, world: int, job: Job, out_path: str) -> None:
         "ring_size": job.ring_size if job.system == "ulysses_ring" else 1,
         "median_step_seconds": statistics.median(slowest), "min_step_seconds": min(slowest), "step_seconds": slowest,
         "tokens_per_second": job.batch_size * job.seq_len / statistics.median(slowest),
+        "attention_seconds": statistics.median(attention),
+        "attention_us_per_token": statistics.median(attention) / (job.batch_size * job.seq_len) * 1e6,
         "peak_memory_bytes": int(max(peak)), "peak_memory_bytes_per_rank": [int(p) for p in peak],
         "bytes_sent_per_rank": comm["bytes_sent_per_rank_forward"] + comm["bytes_sent_per_rank_backward"],
         **comm,

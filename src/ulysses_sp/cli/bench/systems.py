@@ -105,23 +105,30 @@ def _finish(model, optimizer, loss, counter: CommCounter, group) -> None:
         optimizer.zero_grad(set_to_none=True)
 
 
-def single_step(model, ids_BS: torch.Tensor, own_kernel_key: bool = False, documents: int = 1) -> Step:
+def single_step(model, ids_BS: torch.Tensor, own_kernel_key: bool = False, documents: int = 1,
+                counter: CommCounter | None = None) -> Step:
     """No sequence parallelism: the full sequence in one process.
 
     ``own_kernel_key``: run the model's attention function under a key of its own, so that a
     DeepSpeed system set up later in the same process (it replaces the kernel's entry in
-    transformers' registry) does not reach it.
+    transformers' registry) does not reach it. ``counter``: time the attention with
+    ``counter.scoped`` (under a key of its own too).
     """
     close = _no_close
-    if own_kernel_key:
+    if own_kernel_key or counter is not None:
         from transformers import AttentionInterface
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
         from ulysses_sp import current_attn_implementation, unregister_attention_function
 
         attn = current_attn_implementation(model)
         key = f"ulysses_sp_bench_single_{attn}"
-        AttentionInterface.register(key, ALL_ATTENTION_FUNCTIONS[attn])
+        function = ALL_ATTENTION_FUNCTIONS[attn]
+        AttentionInterface.register(key, counter.scoped(function) if counter is not None else function)
+        # the kernel's own masks too: transformers builds NO mask for a key its mask registry lacks (a
+        # packed row would then attend across its documents)
+        AttentionMaskInterface.register(key, ALL_MASK_ATTENTION_FUNCTIONS[attn])
         model.set_attn_implementation(key)
 
         def close() -> None:
