@@ -21,7 +21,11 @@ from ulysses_sp.comm import layout
 from ulysses_sp.comm.layout import HeadPlan
 
 
-def _exchange(send: torch.Tensor, send_sizes: list[int], recv_sizes: list[int], group: ProcessGroup) -> torch.Tensor:
+def _exchange(packed: tuple[torch.Tensor, list[int]], recv_sizes: list[int], group: ProcessGroup) -> torch.Tensor:
+    """One ``all_to_all_single`` of a packed buffer. Callers pass the ``pack_*`` result directly, so
+    the send buffer is freed when this returns, before the received one is unpacked (binding it to a
+    name kept a third copy of q|k|v alive during the unpack)."""
+    send, send_sizes = packed
     recv = send.new_empty(sum(recv_sizes))
     dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=group)
     return recv
@@ -33,20 +37,16 @@ class _SeqToHeadQKV(torch.autograd.Function):
         rank = dist.get_rank(group)
         B, _, s, H = q_BNsH.shape
         Hv = v_BKsH.shape[3]
-        send, send_sizes = layout.pack_qkv(q_BNsH, k_BKsH, v_BKsH, plan)
         recv_sizes = [plan.qkv_numels(rank, B, s, H, Hv)] * plan.sp_size
-        recv = _exchange(send, send_sizes, recv_sizes, group)
+        recv = _exchange(layout.pack_qkv(q_BNsH, k_BKsH, v_BKsH, plan), recv_sizes, group)
         ctx.plan, ctx.group, ctx.dims = plan, group, (B, s, H, Hv)
         return layout.unpack_qkv(recv, plan, rank, B, s, H, Hv)
 
     @staticmethod
     def backward(ctx, gq_BnSH, gk_BkSH, gv_BkSH):
         plan, group, (B, s, H, Hv) = ctx.plan, ctx.group, ctx.dims
-        rank = dist.get_rank(group)
-        send, send_sizes = layout.pack_qkv_grad(gq_BnSH, gk_BkSH, gv_BkSH, plan)
         recv_sizes = [plan.qkv_numels(j, B, s, H, Hv) for j in range(plan.sp_size)]
-        assert send_sizes == [plan.qkv_numels(rank, B, s, H, Hv)] * plan.sp_size
-        recv = _exchange(send, send_sizes, recv_sizes, group)
+        recv = _exchange(layout.pack_qkv_grad(gq_BnSH, gk_BkSH, gv_BkSH, plan), recv_sizes, group)
         gq, gk, gv = layout.unpack_qkv_grad(recv, plan, B, s, H, Hv)
         return gq, gk, gv, None, None
 
@@ -56,9 +56,8 @@ class _HeadToSeqOut(torch.autograd.Function):
     def forward(ctx, o_BSnH, plan: HeadPlan, group: ProcessGroup):
         B, S, n, Hv = o_BSnH.shape
         s = S // plan.sp_size
-        send, send_sizes = layout.pack_out(o_BSnH, plan)
         recv_sizes = [B * s * (qb - qa) * Hv for qa, qb in plan.q_ranges]
-        recv = _exchange(send, send_sizes, recv_sizes, group)
+        recv = _exchange(layout.pack_out(o_BSnH, plan), recv_sizes, group)
         ctx.plan, ctx.group, ctx.dims = plan, group, (B, s, Hv)
         return layout.unpack_out(recv, plan, B, s, Hv)
 
@@ -67,8 +66,7 @@ class _HeadToSeqOut(torch.autograd.Function):
         plan, group, (B, s, Hv) = ctx.plan, ctx.group, ctx.dims
         rank = dist.get_rank(group)
         n, _ = plan.num_local_heads(rank)
-        send, send_sizes = layout.pack_out_grad(g_BsNH, plan)
-        recv = _exchange(send, send_sizes, [B * s * n * Hv] * plan.sp_size, group)
+        recv = _exchange(layout.pack_out_grad(g_BsNH, plan), [B * s * n * Hv] * plan.sp_size, group)
         return layout.unpack_out_grad(recv, plan, rank, B, s, Hv), None, None
 
 
