@@ -127,3 +127,21 @@ def test_max_steps_already_reached_is_refused(runs, tmp_path, capsys):
             str(runs / "sp1" / "checkpoint-3"), "--output-dir", str(tmp_path / "never")]
     assert main(argv) == 2
     assert "--max-steps > 3" in capsys.readouterr().err
+
+
+def test_a_resumed_stage_uses_its_own_logging_eval_and_save_intervals():
+    """Bug caught: a stage resumed from a checkpoint evaluating, logging and saving at the CHECKPOINT's
+    intervals (transformers restores them from trainer_state.json and only warns), so stage 2's
+    --eval-steps 100 evaluated only at the end of a 200-step stage."""
+    import types
+
+    from transformers import TrainerControl, TrainerState
+
+    from ulysses_sp.cli.train.stages import StageCallback
+
+    state = TrainerState(max_steps=600, global_step=400, logging_steps=50, eval_steps=200, save_steps=400)
+    args = types.SimpleNamespace(logging_steps=10, eval_steps=100, save_steps=0.5)  # a ratio: of max_steps
+    callback = StageCallback({"seq_len": 1024, "sp_size": 2}, [{"seq_len": 256, "sp_size": 1, "start_step": 0}])
+    callback.on_train_begin(args, state, TrainerControl())
+    assert (state.logging_steps, state.eval_steps, state.save_steps) == (10, 100, 300)
+    assert callback.current["start_step"] == 400 and callback.earlier[-1]["end_step"] == 400

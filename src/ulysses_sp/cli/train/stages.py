@@ -127,6 +127,9 @@ class StageCallback(TrainerCallback):
         self.current.update(end_step=state.global_step, epoch=state.epoch)
 
     def on_train_begin(self, args, state, control, **kwargs):
+        # a resumed Trainer keeps the CHECKPOINT's logging / eval / save intervals (and only warns that
+        # they differ): this stage's --logging-steps / --eval-steps / --save-steps apply instead
+        state.compute_steps(args, state.max_steps)
         self.current["start_step"] = state.global_step  # > 0 when resumed
         if self.earlier and self.earlier[-1].get("end_step") is None:
             self.earlier[-1]["end_step"] = state.global_step
