@@ -139,7 +139,6 @@ class _HeadChunkedAttention(torch.autograd.Function):
         B, N, s, H = q_BNsH.shape
         K, Hv = k_BKsH.shape[1], v_BKsH.shape[3]
         run = _Chunks(ctx.chunks, ctx.group, (B, N, K, s, H, Hv))
-        g_BsNH = g_BsNH.contiguous()
         grads = (q_BNsH.new_empty(B, N, s, H), k_BKsH.new_zeros(B, K, s, H), v_BKsH.new_zeros(B, K, s, Hv))
         leaves = tuple(p.detach().requires_grad_(p.requires_grad) for p in params)
         param_grads: list[torch.Tensor | None] = [None] * len(params)
