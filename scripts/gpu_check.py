@@ -22,7 +22,11 @@ the JSON is rewritten after each step, so an interrupted run keeps what it measu
                      ``benchmarks/memory_ablation.py --device cuda``: the longest trainable sequence
                      per rung in CUDA memory (P=2 rungs share one GPU over gloo if needed); the rows
 
-    6. packed_varlen
+    6. head_chunks   ``ulysses-sp bench --mode memory``: one attention layer's peak (forward + backward)
+                     in CUDA memory at S=32K and 64K, P=2 (the ranks share a GPU where there is one),
+                     unchunked against ``sp_head_chunks=4`` (4 chunks of the 8 query heads a rank
+                     holds; bf16, sdpa)
+    7. packed_varlen
                      ``benchmarks/packed_varlen.py``: ``torch_varlen`` and ``sdpa`` against per-document
                      SDPA at S=32K with 1, 64 and 1024 documents (bf16, fwd + bwd): max differences and
                      times; on CPU / a torch without ``varlen_attn`` the varlen column says skipped
@@ -183,6 +187,19 @@ def memory_ablation(tmp: str, dry_run: bool, gpus: int, timeout_s: float) -> dic
     return step
 
 
+def head_chunks(tmp: str, dry_run: bool, timeout_s: float) -> dict:
+    """One attention layer's CUDA peak with and without head chunks (``ulysses-sp bench --mode memory``)."""
+    out = os.path.join(tmp, "head_chunks.json")
+    flags = (["--device", "cpu", "--seq-lens", "64", *TINY_MODEL] if dry_run else
+             ["--device", "cuda", "--dtype", "bfloat16", *BENCH_MODEL, "--seq-lens", "32768", "65536"])
+    step = run_step([sys.executable, "-m", "ulysses_sp.cli.main", "bench", *flags, "--sp-sizes", "2",
+                     "--mode", "memory", "--sp-head-chunks", "4", "--json", out], timeout_s)
+    step["records"] = [r for r in _read_json(out) if r.get("mode") == "attention_memory"]
+    if step["status"] == "ok" and not step["records"]:
+        step["status"], step["note"] = "failed", "no attention-memory records"
+    return step
+
+
 def packed_varlen(tmp: str, dry_run: bool, timeout_s: float) -> dict:
     """``benchmarks/packed_varlen.py``: the varlen kernel against per-document SDPA; its rows."""
     out = os.path.join(tmp, "packed_varlen.json")
@@ -194,7 +211,7 @@ def packed_varlen(tmp: str, dry_run: bool, timeout_s: float) -> dict:
     return step
 
 
-STEPS = ("gpu_tests", "cuda_check", "bench", "memory_ablation", "packed_varlen")
+STEPS = ("gpu_tests", "cuda_check", "bench", "memory_ablation", "head_chunks", "packed_varlen")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -222,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
              "cuda_check": (lambda tmp, t: cuda_check(tmp, args.dry_run, t), 0.7),
              "bench": (lambda tmp, t: bench(tmp, args.dry_run, gpus, t), 0.5),
              "memory_ablation": (lambda tmp, t: memory_ablation(tmp, args.dry_run, gpus, t), 0.8),
+             "head_chunks": (lambda tmp, t: head_chunks(tmp, args.dry_run, t), 0.5),
              "packed_varlen": (lambda tmp, t: packed_varlen(tmp, args.dry_run, t), 1.0)}
     steps = {name: steps[name] for name in args.steps}
     with tempfile.TemporaryDirectory() as tmp:

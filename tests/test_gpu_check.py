@@ -29,7 +29,9 @@ def test_gpu_check_dry_run_runs_every_step_and_writes_one_json(tmp_path):
     assert _load().main(["--dry-run", "--out", str(out), "--budget-s", "240"]) == 0
     results = json.loads(out.read_text())
     assert results["ok"] and results["dry_run"]
-    assert set(results["steps"]) == {"gpu_tests", "cuda_check", "bench", "memory_ablation", "packed_varlen"}
+    assert set(results["steps"]) == {"gpu_tests", "cuda_check", "bench", "memory_ablation", "head_chunks",
+                                     "packed_varlen"}
+    assert {r["head_chunks"] for r in results["steps"]["head_chunks"]["records"]} == {1, 4}
     tests = results["steps"]["gpu_tests"]
     assert tests["counts"]["skipped"] >= 1 and tests["counts"]["failed"] == tests["counts"]["error"] == 0
     checks = results["steps"]["cuda_check"]["cases"]
