@@ -95,14 +95,14 @@ def test_bench_chunked_system_recompute_bytes_collectives_and_paired_one_process
     assert sorted(r["head_chunks"] for r in memory) == [1, 2] and all(r["peak_attention_bytes"] >= 0 for r in memory)
     ours, chunked = records["ulysses"], records["ulysses_chunked"]
     # N=4 heads on P=2 ranks: 2 local heads, --sp-head-chunks 2 (default) gives C=2 -> 2C = 4 forward,
-    # 3C = 6 backward (q|k|v, output grad, q|k|v grads per chunk)
+    # 4C = 8 backward (q|k|v, output, output grad, q|k|v grads per chunk)
     assert chunked["head_chunks"] == 2
-    assert chunked["collectives_per_layer"] == 4 and chunked["collectives_per_layer_backward"] == 6
+    assert chunked["collectives_per_layer"] == 4 and chunked["collectives_per_layer_backward"] == 8
     assert chunked["formula_collectives_per_layer"] == 4
     assert ours["bytes_sent_per_rank"] == ULYSSES_BYTES_PER_LAYER
     assert chunked["bytes_sent_per_rank_forward"] == ours["bytes_sent_per_rank_forward"] == ULYSSES_BYTES_PER_LAYER // 2
-    # the backward re-sends the forward's q|k|v (512 elements of fp32 to rank 1) for the recompute
-    assert chunked["bytes_sent_per_rank"] == ULYSSES_BYTES_PER_LAYER + 512 * 4
+    # the backward re-sends the forward's q|k|v (512 elements of fp32 to rank 1) and output (256)
+    assert chunked["bytes_sent_per_rank"] == ULYSSES_BYTES_PER_LAYER + (512 + 256) * 4
     assert chunked["formula_bytes_sent_per_rank"] == chunked["bytes_sent_per_rank"]
     # fp32, same weights and batch; only summation order differs: 1e-5 relative
     assert chunked["loss"] == pytest.approx(records["single"]["loss"], rel=1e-5)

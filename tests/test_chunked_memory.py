@@ -42,7 +42,7 @@ def _inputs(rank, world, seed=0):
 
 def _check_saved(mesh, rank, world):
     s = S // world
-    sharded = {(B, N, s, H), (B, K, s, H)}
+    sharded = {(B, N, s, H), (B, K, s, H), (B, s, N, H)}  # q, k / v, and the layer's own (sharded) output
     for chunks, checkpointed in ((1, False), (3, False), (3, True)):
         records = []
         attention = _saving(UlyssesAttention(mesh.sp_group, "sdpa", head_chunks=chunks), records)
@@ -55,6 +55,13 @@ def _check_saved(mesh, rank, world):
         else:
             o = attention(q, k, v)
         in_forward = len(records)
+        if chunks > 1 and not checkpointed:  # the kept kernel graphs: no full-length tensor left in them
+            kept = [g for g in o.grad_fn.graphs if g is not None]
+            assert kept, "sdpa on a causal mask saves q, k, v, o and the log-sum-exp: its graphs can be kept"
+            for graph, *sources in kept:
+                held = [tuple(h.tensor.shape) for h in graph.holders if h.tensor is not None]
+                assert all(len(shape) < 4 for shape in held), held  # the (B, n_c, S) log-sum-exp only
+                assert all(t.untyped_storage().nbytes() == 0 for t in sources)  # q, k, v, o freed
         o.square().sum().backward()
         full_length = [shape for shape in records if S in shape]
         if chunks == 1:  # the probe sees the kernel's full-length saves (q, k, v, o of my heads)
@@ -62,8 +69,8 @@ def _check_saved(mesh, rank, world):
             continue
         where = f"chunks={chunks} checkpointed={checkpointed}"
         assert not full_length, f"{where}: full-length tensors saved for backward: {full_length}"
-        assert set(records) <= sharded and len(records) == 3, (where, records)
-        assert in_forward == (0 if checkpointed else 3), (where, in_forward)
+        assert set(records) <= sharded and len(records) == 4, (where, records)
+        assert in_forward == (0 if checkpointed else 4), (where, in_forward)
 
 
 def _check_dropout_replay(mesh, rank, world):
@@ -113,11 +120,49 @@ def _worker(rank, world):
 
 def test_chunked_layer_saves_only_sharded_inputs_replays_dropout_and_meets_byte_target():
     """Bug caught: a chunked layer that keeps any full-length q/k/v/o for backward (its memory would
-    grow with all local heads again), also in the forward that activation checkpointing re-runs; a
+    grow with all local heads again), in what it saves or in the kernel graphs it keeps, also in the
+    forward that activation checkpointing re-runs; a
     recompute that draws another dropout mask than the forward (gradients of a different function);
     a byte target that picks more chunks than needed, fewer than it needs, or does not reach a model
     through ``UlyssesSPConfig.sp_head_chunk_mib`` (or changes its loss and gradients)."""
     spawn(_worker, 2)
+
+
+def test_saved_graph_drops_what_it_can_rebuild_and_its_backward_is_unchanged():
+    """Bug caught: a kept chunk graph that still holds its full-length q / k / v / o (the memory the
+    chunking exists to avoid), a rebuilt tensor with another layout than the one the kernel saved
+    (its backward reads wrong elements), and a graph kept although the kernel saved a large tensor
+    that cannot be rebuilt (a dropout mask, gathered copies)."""
+    from ulysses_sp.comm.saved_graph import SavedGraph, free_storage
+
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 3, 16, 4, generator=gen) for _ in range(3))  # fp32: SDPA's CPU flash kernel
+    go = torch.randn(2, 16, 3, 4, generator=gen)
+
+    def kernel(q, k, v, extra=False):
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+        return o * torch.ones(16, 16, dtype=q.dtype).sum() / 16 if extra else o  # extra: saves a (16,16) tensor
+
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = torch.autograd.grad(kernel(*leaves), leaves, go)
+    graph, leaves = SavedGraph(), [t.clone().requires_grad_() for t in (q, k, v)]
+    with graph.hooks():
+        o = kernel(*leaves)
+    values = o.detach().clone()
+    # the flash kernel saves q, k, v, its output and the fp32 log-sum-exp (2*3*16*4 = 384 bytes): only that stays
+    assert graph.release({"q": leaves[0], "k": leaves[1], "v": leaves[2], "o": o}, 384)
+    assert sum(h.tensor is None for h in graph.holders) >= 4
+    assert sum(h.tensor.numel() for h in graph.holders if h.tensor is not None) <= 2 * 3 * 16
+    free_storage(*leaves, o)
+    for name, t in (("q", q), ("k", k), ("v", v), ("o", values)):
+        graph.rebuild(name, t)
+    got = torch.autograd.grad(o, leaves, go)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)  # the same kernel on the same values: bitwise
+    graph2, leaves2 = SavedGraph(), [t.clone().requires_grad_() for t in (q, k, v)]
+    with graph2.hooks():
+        o2 = torch.nn.functional.dropout(kernel(*leaves2), p=0.5)  # saves a mask the graph cannot rebuild
+    assert not graph2.release({"q": leaves2[0], "k": leaves2[1], "v": leaves2[2], "o": o2}, 64)
 
 
 def test_byte_target_is_validated():

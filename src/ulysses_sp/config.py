@@ -66,11 +66,12 @@ class UlyssesSPConfig:
         offload_activations: move checkpointed hidden states to CPU memory between forward and
             backward (needs activation / gradient checkpointing).
         sp_head_chunks: ``ulysses`` only: run each rank's heads in this many chunks inside one
-            autograd function that keeps only the sharded q/k/v and recomputes each chunk's
-            attention in backward, so the full-sequence q/k/v/o and their gradients exist for one
-            chunk at a time (also under activation checkpointing); 2C + 3C collectives per layer
-            instead of 2 + 2, one more q|k|v exchange in backward, the next chunk's exchange in
-            flight while one computes. At most the heads a rank holds are used. 1 = no chunking.
+            autograd function that keeps only sharded tensors between forward and backward (the
+            chunks' q/k/v/o are exchanged again for the backward), so the full-sequence q/k/v/o
+            and their gradients exist for one chunk at a time (also under activation
+            checkpointing); 2C + 4C collectives per layer instead of 2 + 2, the next chunk's
+            exchange in flight while one computes. At most the heads a rank holds are used.
+            1 = no chunking.
         sp_head_chunk_mib: ``ulysses`` only: choose the head chunks per layer call so that one
             chunk's full-sequence tensors take at most this many MiB per rank
             (``comm.head_chunked.chunk_live_bytes``); the larger of that and ``sp_head_chunks`` is
@@ -95,8 +96,8 @@ class UlyssesSPConfig:
     tiled_loss_tokens: int | None = _field(None, "lm_head + loss in tiles of this many tokens (never the full logits)")
     offload_activations: bool = _field(False, "keep the inputs of checkpointed layers in CPU memory (needs "
                                        "activation checkpointing)")
-    sp_head_chunks: int = _field(1, "ulysses: heads per rank in this many chunks, each recomputed in backward, "
-                                 "so full-length attention tensors exist for one chunk at a time (1 = no chunking)")
+    sp_head_chunks: int = _field(1, "ulysses: heads per rank in this many chunks, so full-length attention "
+                                 "tensors exist for one chunk at a time, forward and backward (1 = no chunking)")
     sp_head_chunk_mib: float | None = _field(None, "ulysses: head chunks chosen so one chunk's full-length attention "
                                              "tensors fit this many MiB per rank (default: off)")
     sp_ring_size: int | None = _field(None, "ulysses x ring: ring degree (sp_size = all-to-all degree x ring); "

@@ -22,10 +22,11 @@ Per layer: the all-to-all bytes of Ulysses at degree ``A`` plus the ring's ``R-1
 local heads (``comm.cost``); any ``sp_size = A*R`` with ``A <= N``, so more ranks than heads work.
 
 With ``head_chunks=C > 1`` steps 1-4 run per chunk of this rank's heads (``HeadPlan.chunks``) inside
-one autograd function that saves only the sharded q/k/v and recomputes each chunk in backward
-(``comm.head_chunked``): full-sequence q/k/v/o and their gradients exist for one chunk of heads at
-a time, forward and backward, also under activation checkpointing. 2C collectives forward, 3C
-backward; the backward moves q|k|v once more (the recompute's inputs). ``head_chunk_bytes`` picks
+one autograd function that saves only sharded tensors (``comm.head_chunked``): each chunk's kernel
+graph is kept without its full-length q/k/v/o, which the backward exchanges again and rebuilds
+(or, where the kernel saved more, recomputes the chunk), so full-sequence q/k/v/o and their
+gradients exist for one chunk of heads at a time, forward and backward, also under activation
+checkpointing. 2C collectives forward, 4C backward. ``head_chunk_bytes`` picks
 C instead from a byte target for one chunk's full-length tensors (``chunk_live_bytes``).
 """
 
@@ -52,9 +53,9 @@ class UlyssesAttention(SPAttentionBackend):
             process (no communication, the kernel runs directly).
         kernel: ``"sdpa"``, ``"eager"``, ``"flex_attention"``, ``"flash_attention_2"``,
             ``"flash_attention_3"`` or a callable with the signature in ``attention.kernels``.
-        head_chunks: process this rank's query heads in this many chunks, each recomputed in
-            backward, so the full-sequence tensors of one chunk exist at a time (1 = one exchange
-            each way, the kernel's saved tensors kept). At most the largest local head count is
+        head_chunks: process this rank's query heads in this many chunks, so the full-sequence
+            tensors of one chunk exist at a time, forward and backward (1 = one exchange each way,
+            the kernel's saved tensors kept). At most the largest local head count is
             used (``HeadPlan.num_chunks``).
         head_chunk_bytes: choose the chunk count per call so that one chunk's full-length tensors
             (``comm.head_chunked.chunk_live_bytes``: q/k/v/o, their grads, the output grad) take at
@@ -67,7 +68,7 @@ class UlyssesAttention(SPAttentionBackend):
     ``sp_size = a2a_size * ring_size`` (``A * R``; ``A`` without a ring; the size words:
     ``attention.contract``). The call prologue (first-call check across ranks, default mask, mask
     length) is :class:`~ulysses_sp.attention.contract.SPAttentionBackend`'s. Steady state:
-    2 collectives forward, 2 backward (2C and 3C with C head chunks).
+    2 collectives forward, 2 backward (2C and 4C with C head chunks).
     """
 
     def __init__(

@@ -12,8 +12,9 @@ Shape legend: B batch, S global sequence, s = S/P, N query heads, K kv heads, H 
                      backward: the same amounts reversed.  2 collectives forward, 2 backward.
     ulysses, C head  forward: the same bytes (each q head, (kv head, rank) pair and output moves
     chunks           once, in the chunk that first needs it), 2C collectives; backward: the
-                     unchunked bytes + the forward's q|k|v bytes again (each chunk's attention is
-                     recomputed from re-exchanged inputs, ``comm.head_chunked``), 3C collectives;
+                     unchunked bytes + the forward's q|k|v bytes + the output moved as its
+                     gradient is (each chunk's q|k|v and output exchanged again for its
+                     backward, ``comm.head_chunked``), 4C collectives;
                      C = HeadPlan.num_chunks(sp_head_chunks) = min(chunks, max heads on a rank).
     deepspeed        q, k, v in three all-to-alls (k/v heads repeated to P when K < P), output
                      in a fourth; + an all-gather of int64 position_ids (B*s*8*(P-1)) per layer.
@@ -77,8 +78,8 @@ def attention_comm(
 ) -> AttentionComm:
     """The communication model of ``system`` for one attention layer (see the module docstring).
 
-    ``head_chunks``: ``sp_head_chunks`` of the ``ulysses`` system (2C + 3C collectives, the backward
-    re-sends q|k|v for the recompute).
+    ``head_chunks``: ``sp_head_chunks`` of the ``ulysses`` system (2C + 4C collectives, the backward
+    re-sends each chunk's q|k|v and output).
     ``ring_size``: ``R`` of the ``ulysses_ring`` system (``rank`` is the SP rank; its all-to-all
     rank is ``rank % (P // R)``). ``ring_balanced``: the ring's zigzag re-layout runs (a causal
     mask without a window, ``RingAttention.zigzag_applies``); False for windowed / non-causal calls.
@@ -117,8 +118,8 @@ def attention_comm(
         C = plan.num_chunks(head_chunks)
         if C == 1:
             return AttentionComm(fwd, bwd, 2, 2, text)
-        text += f"; {C} head chunks (recomputed in backward): + the qkv bytes again in backward, 2C + 3C collectives"
-        return AttentionComm(fwd, bwd + sent["qkv"], 2 * C, 3 * C, text)
+        text += f"; {C} head chunks: + q|k|v and o again in backward, 2C + 4C collectives"
+        return AttentionComm(fwd, bwd + sent["qkv"] + out_grads * itemsize, 2 * C, 4 * C, text)
     if system == "deepspeed":
         Kx = max(K, P)
         a2a = B * s * (2 * N * H + 2 * Kx * H) * itemsize * (P - 1) // P

@@ -2,26 +2,31 @@
 
 Shape legend: see ``ulysses_sp.comm.layout``; ``n_c`` / ``k_c`` the query / kv heads of one chunk.
 
-The layer is one autograd function that saves only its sequence-sharded inputs ``q (B,N,s,H)``,
-``k, v (B,K,s,H)`` (and the params, e.g. sinks). No full-length tensor outlives its chunk::
+The layer is one autograd function that saves its sequence-sharded inputs ``q (B,N,s,H)``,
+``k, v (B,K,s,H)``, its sharded output ``o (B,s,N,Hv)`` (the tensor ``o_proj`` saves anyway) and
+the params (e.g. sinks). No full-length tensor outlives its chunk::
 
-    forward (no graph)    for c in chunks:  qkv(c) --a2a--> q (B,n_c,S,H) ...  attend  o(c) --a2a--> o (B,s,N,Hv)
-                          qkv(c+1) is in flight while chunk c computes; o(c) while chunk c+1's lands
-    backward              for c in chunks (same order):
-                            1. qkv(c) and the output grad go(c) --a2a--> full length (2 collectives)
-                            2. the grads of chunk c-1 land (their exchange ran alongside step 1)
-                            3. recompute attend(c) with a graph, run its backward: dq, dk, dv of the chunk
-                            4. dq|dk|dv(c) --a2a--> back to the sequence shards (in flight during c+1's step 1)
+    forward    for c in chunks:  qkv(c) --a2a--> q (B,n_c,S,H) ...  kernel  o(c) --a2a--> o (B,s,N,Hv)
+               qkv(c+1) is in flight while chunk c computes; o(c) while chunk c+1's lands. The
+               kernel's graph is kept, but the q / k / v / o it saved are dropped (``SavedGraph``):
+               only what it saves besides them stays (the log-sum-exp)
+    backward   for c in chunks (same order):
+                 1. qkv(c), o(c) and the output grad go(c) --a2a--> full length (3 collectives)
+                 2. the grads of chunk c-1 land (their exchange ran alongside step 1)
+                 3. the kept graph's q / k / v / o rebuilt from them, the kernel's own backward
+                 4. dq|dk|dv(c) --a2a--> back to the sequence shards (in flight during c+1's step 1)
 
-Collectives per layer: 2C forward, 3C backward (``attention_comm(..., head_chunks=C)``). Bytes: the
-forward's are the unchunked layer's; the backward adds one more q|k|v exchange (the recompute's
-inputs) to the unchunked backward. A kv head read by two chunks is received once in the forward
-(the next chunk keeps its last kv head, "carried", ``HeadChunk.carried``) and in the backward;
-its gradient is held back until the last chunk reading it is done, then sent once.
+A kernel that saves a large tensor the graph cannot rebuild (a dropout mask, the gathered
+documents of packed rows, eager's probabilities) keeps no graph for that chunk: step 3 then
+recomputes the chunk's forward, with the forward's RNG state replayed for dropout. Either way the
+collectives are the same on every rank: 2C forward, 4C backward (``attention_comm(...,
+head_chunks=C)``). Bytes: the forward's are the unchunked layer's; the backward adds the
+forward's q|k|v exchange and one output exchange to the unchunked backward. A kv head read by two
+chunks is received once per pass (the next chunk keeps its last kv head, "carried",
+``HeadChunk.carried``); its gradient is held back until the last chunk reading it is done.
 
 Under activation checkpointing the layer's recompute calls this forward again: it saves the same
-sharded inputs, nothing full-length. With ``dropout > 0`` the RNG state at the forward is replayed
-before the recompute, so every chunk draws the same dropout mask in both passes.
+sharded tensors, nothing full-length (the graphs it keeps hold the log-sum-exp).
 
 Peak of the layer (besides the sharded inputs, the output and its gradient): forward, one chunk's
 q/k/v/o plus the next chunk's q/k/v in flight; backward, one chunk's q/k/v/o, go and dq/dk/dv plus
@@ -40,6 +45,7 @@ from torch.distributed import ProcessGroup
 
 from ulysses_sp.comm import layout
 from ulysses_sp.comm.layout import HeadChunk, HeadPlan
+from ulysses_sp.comm.saved_graph import SavedGraph, free_storage
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, HeadChunk, tuple[torch.Tensor, ...]], torch.Tensor]
 """``attend(q (B,n,S,H), k (B,k,S,H), v (B,k,S,Hv), chunk, params) -> o (B,S,n,Hv)`` for one chunk of
@@ -104,11 +110,13 @@ class _Chunks:
 class _HeadChunkedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_BNsH, k_BKsH, v_BKsH, chunks: tuple[HeadChunk, ...], group: ProcessGroup, attend: Attend,
-                replay_rng: bool, *params: torch.Tensor):
+                replay_rng: bool, keep_graphs: bool, *params: torch.Tensor):
         B, N, s, H = q_BNsH.shape
         K, Hv = k_BKsH.shape[1], v_BKsH.shape[3]
         run = _Chunks(chunks, group, (B, N, K, s, H, Hv))
-        ctx.rng = _rng_state(q_BNsH.device) if replay_rng else None
+        ctx.rng = [None] * len(chunks)  # per chunk: the RNG state its recompute replays (dropout)
+        ctx.graphs = [None] * len(chunks)  # per chunk: (SavedGraph, q, k, v, o) where the graph is kept
+        leaves = tuple(p.detach().requires_grad_(p.requires_grad) for p in params)
         out = q_BNsH.new_empty(B, s, N, Hv)
         sent_out: tuple[_InFlight, HeadChunk] | None = None
         qkv_next = run.send_qkv(q_BNsH, k_BKsH, v_BKsH, 0)
@@ -117,59 +125,100 @@ class _HeadChunkedAttention(torch.autograd.Function):
             if c + 1 < len(chunks):
                 qkv_next = run.send_qkv(q_BNsH, k_BKsH, v_BKsH, c + 1)  # in flight while chunk c computes
             q, k, v = run.receive_qkv(qkv.wait(), c)
-            o_BSnH = attend(q, k, v, chunk, params) if q.shape[1] else q.new_empty(B, run.P * s, 0, Hv)
-            del q, k, v
+            ctx.rng[c] = _rng_state(q.device) if replay_rng else None
+            o_BSnH, graph = _attend_keeping_graph(attend, q, k, v, chunk, leaves, keep_graphs)
             recv_sizes = [B * s * (qb - qa) * Hv for qa, qb in chunk.q_ranges]
             packed = layout.pack_out(o_BSnH, chunk)
-            del o_BSnH  # packed: free it before the receive buffer is allocated
+            if graph is not None and graph.release({"q": q, "k": k, "v": v, "o": o_BSnH}, q.nbytes // 2):
+                ctx.graphs[c] = (graph, q, k, v, o_BSnH)
+                free_storage(q, k, v, o_BSnH)  # the graph rebuilds them in backward
+            del q, k, v, o_BSnH, graph  # packed: free o before the receive buffer is allocated
             sending = (_InFlight(packed, recv_sizes, group), chunk)
             del packed
             if sent_out is not None:
                 layout.unpack_out(sent_out[0].wait(), sent_out[1], B, s, Hv, into=out)
             sent_out = sending
         layout.unpack_out(sent_out[0].wait(), sent_out[1], B, s, Hv, into=out)
-        ctx.save_for_backward(q_BNsH, k_BKsH, v_BKsH, *params)
-        ctx.chunks, ctx.group, ctx.attend = chunks, group, attend
+        ctx.save_for_backward(q_BNsH, k_BKsH, v_BKsH, out, *params)
+        ctx.chunks, ctx.group, ctx.attend, ctx.leaves = chunks, group, attend, leaves
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, g_BsNH):
-        q_BNsH, k_BKsH, v_BKsH, *params = ctx.saved_tensors
+        q_BNsH, k_BKsH, v_BKsH, out, *params = ctx.saved_tensors
         B, N, s, H = q_BNsH.shape
         K, Hv = k_BKsH.shape[1], v_BKsH.shape[3]
         run = _Chunks(ctx.chunks, ctx.group, (B, N, K, s, H, Hv))
         grads = (q_BNsH.new_empty(B, N, s, H), k_BKsH.new_zeros(B, K, s, H), v_BKsH.new_zeros(B, K, s, Hv))
-        leaves = tuple(p.detach().requires_grad_(p.requires_grad) for p in params)
         param_grads: list[torch.Tensor | None] = [None] * len(params)
-        with torch.random.fork_rng(devices=_rng_devices(q_BNsH.device), enabled=ctx.rng is not None):
-            if ctx.rng is not None:
-                _set_rng_state(q_BNsH.device, ctx.rng)
-            pending, sent_grads = None, None
-            for c, chunk in enumerate(run.chunks):
-                n = chunk.num_local_heads(run.rank)[0]
-                qkv = run.send_qkv(q_BNsH, k_BKsH, v_BKsH, c)  # 1.
-                gout = _InFlight(layout.pack_out_grad(g_BsNH, chunk), [B * s * n * Hv] * run.P, ctx.group)
-                if sent_grads is not None:  # 2.
-                    layout.unpack_qkv_grad(sent_grads[0].wait(), sent_grads[1], B, s, H, Hv, into=grads)
-                q, k, v = run.receive_qkv(qkv.wait(), c)
+        pending, sent_grads = None, None
+        for c, chunk in enumerate(run.chunks):
+            n = chunk.num_local_heads(run.rank)[0]
+            qkv = run.send_qkv(q_BNsH, k_BKsH, v_BKsH, c)  # 1.
+            o_in = _InFlight(layout.pack_out_grad(out, chunk), [B * s * n * Hv] * run.P, ctx.group)
+            gout = _InFlight(layout.pack_out_grad(g_BsNH, chunk), [B * s * n * Hv] * run.P, ctx.group)
+            if sent_grads is not None:  # 2.
+                layout.unpack_qkv_grad(sent_grads[0].wait(), sent_grads[1], B, s, H, Hv, into=grads)
+            q, k, v = run.receive_qkv(qkv.wait(), c)
+            kept, ctx.graphs[c] = ctx.graphs[c], None
+            if kept is not None:  # 3. the kept graph, its q / k / v / o rebuilt (no copy where the layout is kept)
+                for name, values in (("q", q), ("k", k), ("v", v)):
+                    kept[0].rebuild(name, values)
+                del q, k, v
+                kept[0].rebuild("o", layout.unpack_out_grad(o_in.wait(), chunk, run.rank, B, s, Hv))
                 go = layout.unpack_out_grad(gout.wait(), chunk, run.rank, B, s, Hv)
-                dq, dk, dv, dp = _chunk_grads(ctx.attend, q, k, v, go, chunk, leaves)  # 3.
-                del q, k, v, go
-                param_grads = [a if b is None else b if a is None else a + b for a, b in zip(param_grads, dp)]
-                if pending is not None:  # the previous chunk's last kv head, read here again
-                    dk[:, :1] += pending[0]
-                    dv[:, :1] += pending[1]
-                last = dk.shape[1] - run.carry_out(c, run.rank)
-                pending = (dk[:, last:].clone(), dv[:, last:].clone()) if last < dk.shape[1] else None
-                grad_chunk = run.grad_chunk(c)
-                recv_sizes = [grad_chunk.qkv_numels(j, B, s, H, Hv) for j in range(run.P)]
-                packed = layout.pack_qkv_grad(dq, dk[:, :last], dv[:, :last], grad_chunk)
-                del dq, dk, dv  # packed: free them before the receive buffer is allocated
-                sent_grads = (_InFlight(packed, recv_sizes, ctx.group), grad_chunk)  # 4.
-                del packed
-            layout.unpack_qkv_grad(sent_grads[0].wait(), sent_grads[1], B, s, H, Hv, into=grads)
-        return (*grads, None, None, None, None, *param_grads)
+                dq, dk, dv, dp = _graph_grads(kept, go, ctx.leaves)
+            else:  # 3. recompute (the RNG state of the forward replayed for dropout)
+                o_in.wait()  # the output is not needed: the recompute makes it
+                go = layout.unpack_out_grad(gout.wait(), chunk, run.rank, B, s, Hv)
+                with torch.random.fork_rng(devices=_rng_devices(q.device), enabled=ctx.rng[c] is not None):
+                    if ctx.rng[c] is not None:
+                        _set_rng_state(q.device, ctx.rng[c])
+                    dq, dk, dv, dp = _chunk_grads(ctx.attend, q, k, v, go, chunk, ctx.leaves)
+                del q, k, v
+            del kept, go
+            param_grads = [a if b is None else b if a is None else a + b for a, b in zip(param_grads, dp)]
+            if pending is not None:  # the previous chunk's last kv head, read here again
+                dk[:, :1] += pending[0]
+                dv[:, :1] += pending[1]
+            last = dk.shape[1] - run.carry_out(c, run.rank)
+            pending = (dk[:, last:].clone(), dv[:, last:].clone()) if last < dk.shape[1] else None
+            grad_chunk = run.grad_chunk(c)
+            recv_sizes = [grad_chunk.qkv_numels(j, B, s, H, Hv) for j in range(run.P)]
+            packed = layout.pack_qkv_grad(dq, dk[:, :last], dv[:, :last], grad_chunk)
+            del dq, dk, dv  # packed: free them before the receive buffer is allocated
+            sent_grads = (_InFlight(packed, recv_sizes, ctx.group), grad_chunk)  # 4.
+            del packed
+        layout.unpack_qkv_grad(sent_grads[0].wait(), sent_grads[1], B, s, H, Hv, into=grads)
+        ctx.graphs = ctx.leaves = None
+        return (*grads, None, None, None, None, None, *param_grads)
+
+
+def _attend_keeping_graph(attend: Attend, q, k, v, chunk: HeadChunk, leaves: tuple[torch.Tensor, ...],
+                          keep_graph: bool) -> tuple[torch.Tensor, SavedGraph | None]:
+    """Chunk ``chunk``'s output ``(B,S,n,Hv)``, and its graph (q, k, v as leaves) when ``keep_graph``."""
+    if not q.shape[1]:
+        return q.new_empty(q.shape[0], q.shape[2], 0, v.shape[3]), None
+    if not keep_graph:
+        return attend(q, k, v, chunk, leaves), None
+    graph = SavedGraph()
+    with torch.enable_grad(), graph.hooks():
+        for t in (q, k, v):
+            t.requires_grad_()
+        return attend(q, k, v, chunk, leaves), graph
+
+
+def _graph_grads(kept: tuple, go_BSnH, params: tuple[torch.Tensor, ...]) -> tuple:
+    """Backward of a kept chunk graph whose q / k / v / o were rebuilt; ``(dq, dk, dv, [d param or None])``."""
+    graph, q_leaf, k_leaf, v_leaf, o_root = kept
+    wanted = [p for p in params if p.requires_grad]
+    grads = list(torch.autograd.grad(o_root, (q_leaf, k_leaf, v_leaf, *wanted), go_BSnH, allow_unused=True))
+    found = iter(grads[3:])
+    dq, dk, dv = (g if g is not None else graph.rebuilt[name].new_zeros(leaf.shape)
+                  for g, leaf, name in zip(grads[:3], (q_leaf, k_leaf, v_leaf), "qkv"))
+    graph.clear()
+    return dq, dk, dv, [next(found) if p.requires_grad else None for p in params]
 
 
 def _chunk_grads(attend: Attend, q, k, v, go_BSnH, chunk: HeadChunk, params: tuple[torch.Tensor, ...]) -> tuple:
@@ -221,7 +270,8 @@ def head_chunked_attention(
     Returns:
         ``o (B, s, N, Hv)``, equal to ``head_to_seq_out(attend(seq_to_head_qkv(...)))``.
     """
-    return _HeadChunkedAttention.apply(q_BNsH, k_BKsH, v_BKsH, chunks, group, attend, replay_rng, *params)
+    keep_graphs = torch.is_grad_enabled() and any(t.requires_grad for t in (q_BNsH, k_BKsH, v_BKsH, *params))
+    return _HeadChunkedAttention.apply(q_BNsH, k_BKsH, v_BKsH, chunks, group, attend, replay_rng, keep_graphs, *params)
 
 
 def chunk_live_bytes(plan: HeadPlan, C: int, B: int, S: int, H: int, Hv: int, itemsize: int) -> int:

@@ -1,7 +1,8 @@
 """Peak memory of one attention layer (forward + backward) with and without head chunks.
 
 Only ``UlyssesAttention`` runs, on this rank's shard ``q (B,N,s,H)``, ``k, v (B,K,s,H)`` (leaves
-that need gradients): what is measured is what the layer itself allocates on top of its inputs:
+that need gradients), its output held through the backward as the ``o_proj`` after it holds it in
+a model: what is measured is what the layer itself allocates on top of its inputs (the output too):
 the exchange buffers, the full-sequence q/k/v/o of the heads in flight, the kernel's saved
 tensors and workspace, and the gradients it returns.
 
@@ -73,8 +74,10 @@ def _worker(rank: int, world: int, shape: tuple, dtype: str, chunks: list[int], 
         measured = []
         for _ in range(REPEATS):  # the least of a few: one-off growth (collective buffers) is not the layer's
             base = _mark(device)
-            attention(q, k, v).sum().backward()
+            o = attention(q, k, v)  # held through the backward, as the o_proj after it saves it in a model
+            o.sum().backward()
             measured.append(_peak(device) - base)
+            del o
             q.grad = k.grad = v.grad = None
         peaks[C] = min(measured)
     table = [None] * world

@@ -3,7 +3,7 @@
     single           one process, plain Transformers (full sequence, SDPA, no SP), all the cores
     ulysses          ours: UlyssesSP (one fused q|k|v all-to-all + one output all-to-all per layer)
     ulysses_chunked  ours: UlyssesSP with UlyssesSPConfig(sp_head_chunks=C): C chunks of heads, the
-                     full-length tensors of one chunk at a time, each chunk recomputed in backward
+                     full-length attention tensors of one chunk at a time, forward and backward
     ring             ours: UlyssesSP with UlyssesSPConfig(sp_backend="ring") (RingAttention)
     ulysses_ring     ours: Ulysses x ring, UlyssesSPConfig(sp_ring_size=R): all-to-all inside groups of
                      P/R ranks, ring attention across the R segments
