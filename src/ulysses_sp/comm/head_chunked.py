@@ -11,8 +11,8 @@ the params (e.g. sinks). No full-length tensor outlives its chunk::
                kernel's graph is kept, but the q / k / v / o it saved are dropped (``SavedGraph``):
                only what it saves besides them stays (the log-sum-exp)
     backward   for c in chunks (same order):
-                 1. qkv(c), o(c) and the output grad go(c) --a2a--> full length (3 collectives)
-                 2. the grads of chunk c-1 land (their exchange ran alongside step 1)
+                 1. qkv(c) --a2a--> full length; the grads of chunk c-1 land meanwhile (2.); then o(c)
+                    and the output grad go(c) --a2a--> full length (3 collectives in all)
                  3. the kept graph's q / k / v / o rebuilt from them, the kernel's own backward
                  4. dq|dk|dv(c) --a2a--> back to the sequence shards (in flight during c+1's step 1)
 
@@ -156,17 +156,18 @@ class _HeadChunkedAttention(torch.autograd.Function):
         for c, chunk in enumerate(run.chunks):
             n = chunk.num_local_heads(run.rank)[0]
             qkv = run.send_qkv(q_BNsH, k_BKsH, v_BKsH, c)  # 1.
-            o_in = _InFlight(layout.pack_out_grad(out, chunk), [B * s * n * Hv] * run.P, ctx.group)
-            gout = _InFlight(layout.pack_out_grad(g_BsNH, chunk), [B * s * n * Hv] * run.P, ctx.group)
             if sent_grads is not None:  # 2.
                 layout.unpack_qkv_grad(sent_grads[0].wait(), sent_grads[1], B, s, H, Hv, into=grads)
             q, k, v = run.receive_qkv(qkv.wait(), c)
+            # the output and its gradient once q|k|v are unpacked: their buffers never coexist with q|k|v's
+            o_in = _InFlight(layout.pack_out_grad(out, chunk), [B * s * n * Hv] * run.P, ctx.group)
+            gout = _InFlight(layout.pack_out_grad(g_BsNH, chunk), [B * s * n * Hv] * run.P, ctx.group)
             kept, ctx.graphs[c] = ctx.graphs[c], None
             if kept is not None:  # 3. the kept graph, its q / k / v / o rebuilt (no copy where the layout is kept)
                 for name, values in (("q", q), ("k", k), ("v", v)):
                     kept[0].rebuild(name, values)
                 del q, k, v
-                kept[0].rebuild("o", layout.unpack_out_grad(o_in.wait(), chunk, run.rank, B, s, Hv))
+                layout.unpack_out_grad(o_in.wait(), chunk, run.rank, B, s, Hv, into=kept[0].target("o", out))
                 go = layout.unpack_out_grad(gout.wait(), chunk, run.rank, B, s, Hv)
                 dq, dk, dv, dp = _graph_grads(kept, go, ctx.leaves)
             else:  # 3. recompute (the RNG state of the forward replayed for dropout)

@@ -336,8 +336,14 @@ def pack_out_grad(g_BsNH: torch.Tensor, plan: HeadPlan | HeadChunk) -> tuple[tor
     return _pack([[g_BsNH[:, :, qa:qb]] for qa, qb in plan.q_ranges])
 
 
-def unpack_out_grad(buf: torch.Tensor, plan: HeadPlan | HeadChunk, rank: int, B: int, s: int, Hv: int) -> torch.Tensor:
-    """Adjoint of ``pack_out``: chunks of all sources -> ``g (B,S,n,Hv)`` for my heads."""
+def unpack_out_grad(buf: torch.Tensor, plan: HeadPlan | HeadChunk, rank: int, B: int, s: int, Hv: int,
+                    into: torch.Tensor | None = None) -> torch.Tensor:
+    """Adjoint of ``pack_out``: chunks of all sources -> ``g (B,S,n,Hv)`` for my heads (written into
+    ``into``, a ``(B,S,n,Hv)`` tensor of any strides, when given)."""
     n, _ = plan.num_local_heads(rank)
     P = plan.sp_size
-    return buf.view(P, B, s, n, Hv).transpose(0, 1).reshape(B, P * s, n, Hv)
+    by_source = buf.view(P, B, s, n, Hv).transpose(0, 1)
+    if into is None:
+        return by_source.reshape(B, P * s, n, Hv)
+    into.unflatten(1, (P, s)).copy_(by_source)
+    return into

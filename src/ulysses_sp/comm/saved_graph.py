@@ -88,9 +88,15 @@ class SavedGraph:
                 shape, stride, offset, nbytes):
             self.rebuilt[name] = values
             return
-        storage = values.new_empty(nbytes // values.element_size())
-        storage.as_strided(shape, stride, offset).copy_(values)
+        self.target(name, values).copy_(values)
+
+    def target(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        """An empty source ``name`` laid out as the original (dtype and device of ``like``) for the caller
+        to fill in place, e.g. straight from a receive buffer."""
+        shape, stride, offset, nbytes = self.layouts[name]
+        storage = like.new_empty(nbytes // like.element_size())
         self.rebuilt[name] = storage
+        return storage.as_strided(shape, stride, offset)
 
     def clear(self) -> None:
         """Forget the rebuilt sources (their memory goes once the caller's references do)."""
