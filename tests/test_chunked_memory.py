@@ -111,11 +111,32 @@ def _check_byte_target(mesh, rank, world):
         torch.testing.assert_close(grads[name] / scale, ref / scale, rtol=0, atol=1e-5, msg=name)
 
 
+def _check_compiled(mesh, world):
+    """torch.compile (aot_eager) of a model whose chunked attention keeps its kernels' graphs equals eager."""
+    from tiny_models import tiny_batch, tiny_model
+    from ulysses_sp import UlyssesSP, global_num_items
+
+    results = []
+    for compiled in (False, True):
+        model = tiny_model("llama")
+        with UlyssesSP(model, mesh, UlyssesSPConfig(sp_size=world, sp_head_chunks=2)) as sp:
+            run = torch.compile(model, backend="aot_eager") if compiled else model
+            shard = sp.shard({"input_ids": tiny_batch("padding")["input_ids"]})
+            loss = sp.forward_loss(run, shard, global_num_items(shard["shift_labels"], mesh.sp_group))
+            loss.backward()
+        results.append((loss.detach(), [p.grad for p in model.parameters()]))
+    # the same kernels on the same values; aot_eager may reorder a few fp32 ops: a few eps of O(1) terms
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-5, atol=1e-6)
+    for a, b in zip(results[1][1], results[0][1]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
 def _worker(rank, world):
     mesh = SPMesh.from_world(world)
     _check_saved(mesh, rank, world)
     _check_dropout_replay(mesh, rank, world)
     _check_byte_target(mesh, rank, world)
+    _check_compiled(mesh, world)
 
 
 def test_chunked_layer_saves_only_sharded_inputs_replays_dropout_and_meets_byte_target():
@@ -124,7 +145,8 @@ def test_chunked_layer_saves_only_sharded_inputs_replays_dropout_and_meets_byte_
     forward that activation checkpointing re-runs; a
     recompute that draws another dropout mask than the forward (gradients of a different function);
     a byte target that picks more chunks than needed, fewer than it needs, or does not reach a model
-    through ``UlyssesSPConfig.sp_head_chunk_mib`` (or changes its loss and gradients)."""
+    through ``UlyssesSPConfig.sp_head_chunk_mib`` (or changes its loss and gradients); the kept graphs
+    (saved-tensor hooks inside an autograd function) breaking ``torch.compile``."""
     spawn(_worker, 2)
 
 
