@@ -62,7 +62,14 @@ def _check_saved(mesh, rank, world):
                 held = [tuple(h.tensor.shape) for h in graph.holders if h.tensor is not None]
                 assert all(len(shape) < 4 for shape in held), held  # the (B, n_c, S) log-sum-exp only
                 assert all(t.untyped_storage().nbytes() == 0 for t in sources)  # q, k, v, o freed
-        o.square().sum().backward()
+        o.square().sum().backward(retain_graph=not checkpointed)
+        if not checkpointed:  # again (retain_graph): the kept graphs are used up, the chunks are recomputed
+            first = [t.grad.clone() for t in (q, k, v)]
+            for t in (q, k, v):
+                t.grad = None
+            o.square().sum().backward()
+            for a, b in zip((q.grad, k.grad, v.grad), first):
+                torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)  # fp32, the same kernel recomputed
         full_length = [shape for shape in records if S in shape]
         if chunks == 1:  # the probe sees the kernel's full-length saves (q, k, v, o of my heads)
             assert full_length, records
@@ -146,7 +153,8 @@ def test_chunked_layer_saves_only_sharded_inputs_replays_dropout_and_meets_byte_
     recompute that draws another dropout mask than the forward (gradients of a different function);
     a byte target that picks more chunks than needed, fewer than it needs, or does not reach a model
     through ``UlyssesSPConfig.sp_head_chunk_mib`` (or changes its loss and gradients); the kept graphs
-    (saved-tensor hooks inside an autograd function) breaking ``torch.compile``."""
+    (saved-tensor hooks inside an autograd function) breaking ``torch.compile``, or a second backward
+    (``retain_graph=True``) failing once the kept graphs are used up."""
     spawn(_worker, 2)
 
 

@@ -192,7 +192,6 @@ class _HeadChunkedAttention(torch.autograd.Function):
             sent_grads = (_InFlight(packed, recv_sizes, ctx.group), grad_chunk)  # 4.
             del packed
         layout.unpack_qkv_grad(sent_grads[0].wait(), sent_grads[1], B, s, H, Hv, into=grads)
-        ctx.graphs = ctx.leaves = None
         return (*grads, None, None, None, None, None, *param_grads)
 
 
