@@ -61,6 +61,9 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import memory_ablation  # noqa: E402  (its rss_kib)
+
 SYSTEMS = ("alst", "ours", "ours_c1")
 GRANULE = 128  # 2 ranks x 64
 WARMUP_LEN = 256
@@ -72,14 +75,6 @@ def model_config(args) -> dict:
                 num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
                 head_dim=args.hidden // args.heads, max_position_embeddings=1 << 21, tie_word_embeddings=False,
                 use_cache=False)
-
-
-def _rss_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
 
 
 def _model(cfg: dict):
@@ -220,7 +215,7 @@ class _Ours:
 def _step(runner, cfg: dict, seq_len: int, grads: bool) -> dict:
     """One training step; ``fwd_kib``: VmHWM after forward + loss (the caller reset it before)."""
     loss = runner.loss(_ids(cfg, seq_len))
-    fwd_kib = _rss_kib("VmHWM")
+    fwd_kib = memory_ablation.rss_kib("VmHWM")
     loss.backward()
     _average_grads(runner.model, runner.group)
     info = {"loss": runner.report(loss), "fwd_kib": fwd_kib, **({"grads": _grad_norms(runner.model)} if grads else {})}
@@ -245,11 +240,11 @@ def trial_worker(rank: int, world: int, system: str, seq_len: int, args, out_dir
         _step(runner, cfg, WARMUP_LEN, False)  # warm-up: lazy inits, thread pools, autograd/collective buffers
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset VmHWM to the current RSS
-    base = _rss_kib("VmRSS") * 1024
+    base = memory_ablation.rss_kib("VmRSS") * 1024
     start = time.perf_counter()
     info = _step(runner, cfg, seq_len, grads)
     seconds = time.perf_counter() - start
-    peak = _rss_kib("VmHWM") * 1024 - base
+    peak = memory_ablation.rss_kib("VmHWM") * 1024 - base
     info["fwd_peak"] = info.pop("fwd_kib") * 1024 - base
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump({"peak": peak, "seconds": seconds, **info}, f)

@@ -61,14 +61,6 @@ DS_CONFIG = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps":
              "zero_optimization": {"stage": 3}, "zero_allow_untested_optimizer": True}
 
 
-def _rss_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
 def _model():
     import transformers as tf
 
@@ -156,11 +148,11 @@ def trial_worker(rank: int, world: int, mode: str, seq_len: int, tiles: tuple, o
     runner.step(128)  # warm-up: lazy inits, thread pools, optimizer states
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset VmHWM to the current RSS
-    base = _rss_kib("VmRSS") * 1024
+    base = memory_ablation.rss_kib("VmRSS") * 1024
     start = time.perf_counter()
     info = runner.step(seq_len)
     seconds = time.perf_counter() - start
-    peak = _rss_kib("VmHWM") * 1024 - base
+    peak = memory_ablation.rss_kib("VmHWM") * 1024 - base
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump({"peak": peak, "base": base, "seconds": seconds, **info}, f)
 

@@ -67,7 +67,8 @@ FEATURES = {  # rung -> (sp_size, tiled_loss, tiled_mlp, offload)
 LOSS_TILE, MLP_TILE, GRANULE = 32, 256, 32
 
 
-def _rss_kib(field: str) -> int:
+def rss_kib(field: str) -> int:
+    """``field`` of ``/proc/self/status`` (VmRSS, VmHWM) in KiB; shared by the memory benchmarks."""
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith(field):
@@ -127,14 +128,14 @@ def trial_worker(rank: int, world: int, rung: str, seq_len: int, device: str, ou
     else:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # reset VmHWM to the current RSS
-        base = _rss_kib("VmRSS") * 1024
+        base = rss_kib("VmRSS") * 1024
     start = time.perf_counter()
     _step(model, rung, seq_len, device)
     if device == "cuda":
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - base
     else:
-        peak = _rss_kib("VmHWM") * 1024 - base
+        peak = rss_kib("VmHWM") * 1024 - base
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump({"peak": peak, "seconds": time.perf_counter() - start}, f)
 
