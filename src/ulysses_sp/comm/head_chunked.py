@@ -212,26 +212,27 @@ def _attend_keeping_graph(attend: Attend, q, k, v, chunk: HeadChunk, leaves: tup
 def _graph_grads(kept: tuple, go_BSnH, params: tuple[torch.Tensor, ...]) -> tuple:
     """Backward of a kept chunk graph whose q / k / v / o were rebuilt; ``(dq, dk, dv, [d param or None])``."""
     graph, q_leaf, k_leaf, v_leaf, o_root = kept
-    wanted = [p for p in params if p.requires_grad]
-    grads = list(torch.autograd.grad(o_root, (q_leaf, k_leaf, v_leaf, *wanted), go_BSnH, allow_unused=True))
-    found = iter(grads[3:])
-    dq, dk, dv = (g if g is not None else graph.rebuilt[name].new_zeros(leaf.shape)
-                  for g, leaf, name in zip(grads[:3], (q_leaf, k_leaf, v_leaf), "qkv"))
+    grads = _leaf_grads(o_root, (q_leaf, k_leaf, v_leaf), go_BSnH, params,
+                        like=[graph.rebuilt[name] for name in "qkv"])
     graph.clear()
-    return dq, dk, dv, [next(found) if p.requires_grad else None for p in params]
+    return grads
 
 
 def _chunk_grads(attend: Attend, q, k, v, go_BSnH, chunk: HeadChunk, params: tuple[torch.Tensor, ...]) -> tuple:
     """Recompute chunk ``chunk``'s attention with a graph; ``(dq, dk, dv, [d param or None])``."""
     if not q.shape[1]:
         return q, k, v, [None] * len(params)
-    wanted = [p for p in params if p.requires_grad]
     with torch.enable_grad():
         q, k, v = (t.requires_grad_() for t in (q, k, v))
-        o_BSnH = attend(q, k, v, chunk, params)
-        grads = list(torch.autograd.grad(o_BSnH, (q, k, v, *wanted), go_BSnH, allow_unused=True))
+        return _leaf_grads(attend(q, k, v, chunk, params), (q, k, v), go_BSnH, params, like=(q, k, v))
+
+
+def _leaf_grads(o_BSnH, qkv: tuple, go_BSnH, params: tuple[torch.Tensor, ...], like) -> tuple:
+    """``(dq, dk, dv, [d param or None])`` of ``o_BSnH`` against ``go_BSnH`` (zeros where unused, on ``like``)."""
+    wanted = [p for p in params if p.requires_grad]
+    grads = list(torch.autograd.grad(o_BSnH, (*qkv, *wanted), go_BSnH, allow_unused=True))
     found = iter(grads[3:])
-    dq, dk, dv = (g if g is not None else torch.zeros_like(t) for g, t in zip(grads[:3], (q, k, v)))
+    dq, dk, dv = (g if g is not None else t.new_zeros(leaf.shape) for g, t, leaf in zip(grads[:3], like, qkv))
     return dq, dk, dv, [next(found) if p.requires_grad else None for p in params]
 
 
