@@ -17,6 +17,9 @@ in every system, so the systems differ only in what they keep per token:
     ours     ``UlyssesSPConfig(sp_size=2, tiled_loss_tokens=T1, tiled_mlp_tokens=T2,
              offload_activations=True, sp_head_chunks=C)``, C = heads per rank (one head per chunk,
              ``--head-chunks``), checkpointing, ``sp.shard`` + ``sp.forward_loss`` (long_sequence.py's path).
+             The attention modules run as head blocks (``sp_head_blocks``, default): q/k/v projections,
+             RoPE, attention and o_proj one chunk of heads at a time.
+    ours_calls  the same with ``sp_head_blocks=False``: only the attention call is chunked.
     ours_c1  the same with ``sp_head_chunks=1``: the head chunking's own effect.
 
 Both systems tile the MLP and the loss at the SAME token counts (``--mlp-tile``, ``--loss-tile``).
@@ -64,7 +67,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import memory_ablation  # noqa: E402  (its rss_kib)
 
-SYSTEMS = ("alst", "ours", "ours_c1")
+SYSTEMS = ("alst", "ours", "ours_calls", "ours_c1")
 GRANULE = 128  # 2 ranks x 64
 WARMUP_LEN = 256
 LOSS_RTOL = 1e-4  # fp32; the systems sum the same token losses in different orders and tiles
@@ -187,7 +190,7 @@ class _Alst:
 class _Ours:
     """ulysses_sp with every memory feature, plain replicated weights (long_sequence.py's _Sharded without FSDP)."""
 
-    def __init__(self, model, args, head_chunks: int) -> None:
+    def __init__(self, model, args, head_chunks: int, head_blocks: bool = True) -> None:
         import torch.distributed as dist
 
         from ulysses_sp import SPMesh, UlyssesSP, UlyssesSPConfig
@@ -196,7 +199,8 @@ class _Ours:
         self.mesh = SPMesh.from_world(self.world)
         self.group = self.mesh.sp_group
         config = UlyssesSPConfig(sp_size=self.world, tiled_loss_tokens=args.loss_tile, tiled_mlp_tokens=args.mlp_tile,
-                                 offload_activations=True, sp_head_chunks=head_chunks)
+                                 offload_activations=True, sp_head_chunks=head_chunks,
+                                 sp_head_blocks=head_blocks)
         self.sp = UlyssesSP(model, self.mesh, config).register()
         self.optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
 
@@ -235,7 +239,7 @@ def trial_worker(rank: int, world: int, system: str, seq_len: int, args, out_dir
     if system == "alst":
         runner = _Alst(model, args)
     else:
-        runner = _Ours(model, args, 1 if system == "ours_c1" else args.head_chunks)
+        runner = _Ours(model, args, 1 if system == "ours_c1" else args.head_chunks, system != "ours_calls")
     if not grads:  # the check compares the FIRST step from identical weights: no warm-up update before it
         _step(runner, cfg, WARMUP_LEN, False)  # warm-up: lazy inits, thread pools, autograd/collective buffers
     with open("/proc/self/clear_refs", "w") as f:
@@ -383,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     load_start, t0 = os.getloadavg(), time.time()
     log(f"model {model_config(args)}; fp32; SDPA; P=2 gloo, 1 thread per rank; budget {args.budget_mib:g} MiB per "
         f"rank; loss tile {args.loss_tile}, MLP tile {args.mlp_tile} tokens (both systems); ours: sp_head_chunks="
-        f"{args.head_chunks}, ours_c1: 1; torch {torch.__version__}, transformers {transformers.__version__}, "
+        f"{args.head_chunks} (head blocks; ours_calls: attention calls only), ours_c1: 1; torch {torch.__version__}, transformers {transformers.__version__}, "
         f"deepspeed {deepspeed.__version__}")
     log("offload: moot on this CPU-only machine (host = device); ours keeps offload_activations=True, ALST's "
         "checkpoint offload is not enabled")

@@ -13,7 +13,7 @@ from torch.utils.checkpoint import checkpoint
 
 from dist_helper import spawn
 from ulysses_sp import SPMesh, UlyssesAttention, UlyssesSPConfig
-from ulysses_sp.comm.head_chunked import chunk_live_bytes, chunks_for_bytes
+from ulysses_sp.comm.cost import chunk_live_bytes, chunks_for_bytes
 from ulysses_sp.comm.layout import HeadPlan
 
 B, S, N, K, H = 2, 16, 6, 2, 4

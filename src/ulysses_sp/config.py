@@ -74,8 +74,13 @@ class UlyssesSPConfig:
             1 = no chunking.
         sp_head_chunk_mib: ``ulysses`` only: choose the head chunks per layer call so that one
             chunk's full-sequence tensors take at most this many MiB per rank
-            (``comm.head_chunked.chunk_live_bytes``); the larger of that and ``sp_head_chunks`` is
+            (``comm.cost.chunk_live_bytes``); the larger of that and ``sp_head_chunks`` is
             used. None = off.
+        sp_head_blocks: with head chunks on, chunk the whole attention block where the model's
+            attention module allows it (``integrations.head_blocks``: its q/k/v projections,
+            per-head norms, RoPE and ``o_proj`` run for one chunk of heads at a time, the
+            projections recomputed in backward), so neither sharded nor full-length q/k/v of all
+            heads exist; False = chunk only the attention call (the sharded q/k/v are saved).
         sp_ring_size: ``ulysses`` only: Ulysses x ring (2-D sequence parallelism), ``sp_size =
             a2a x ring``: the all-to-all runs inside groups of ``sp_size // sp_ring_size``
             consecutive ranks and ring attention runs across the groups (for the heads each rank
@@ -100,6 +105,8 @@ class UlyssesSPConfig:
                                  "tensors exist for one chunk at a time, forward and backward (1 = no chunking)")
     sp_head_chunk_mib: float | None = _field(None, "ulysses: head chunks chosen so one chunk's full-length attention "
                                              "tensors fit this many MiB per rank (default: off)")
+    sp_head_blocks: bool = _field(True, "with head chunks: chunk the whole attention block (projections "
+                                  "included) where the attention module allows it; False: the attention call only")
     sp_ring_size: int | None = _field(None, "ulysses x ring: ring degree (sp_size = all-to-all degree x ring); "
                                       "default: 1, or the smallest ring the head count needs")
 
@@ -132,6 +139,8 @@ class UlyssesSPConfig:
         if self.sp_ring_size not in (None, 1) and self.sp_backend != "ulysses":
             raise ValueError(f"sp_ring_size={self.sp_ring_size} applies to sp_backend='ulysses' only (Ulysses x ring); "
                              f"sp_backend={self.sp_backend!r} already is a ring over all sp_size ranks: leave it None.")
+        if not isinstance(self.sp_head_blocks, bool):
+            raise ValueError(f"sp_head_blocks must be True or False, got {self.sp_head_blocks!r}.")
         if not isinstance(self.offload_activations, bool):
             raise ValueError(f"offload_activations must be True or False, got {self.offload_activations!r}.")
 

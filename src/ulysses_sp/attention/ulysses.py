@@ -32,6 +32,9 @@ C instead from a byte target for one chunk's full-length tensors (``chunk_live_b
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
@@ -41,7 +44,8 @@ from ulysses_sp.attention.kernels import Kernel, get_kernel
 from ulysses_sp.attention.masks import GlobalMask
 from ulysses_sp.attention.ring import RingAttention
 from ulysses_sp.comm.all_to_all import head_to_seq_out, seq_to_head_qkv
-from ulysses_sp.comm.head_chunked import chunks_for_bytes, head_chunked_attention
+from ulysses_sp.comm.cost import chunks_for_bytes
+from ulysses_sp.comm.head_chunked import ChunkStash, head_chunked_attention
 from ulysses_sp.comm.layout import HeadChunk, HeadPlan
 
 
@@ -58,7 +62,7 @@ class UlyssesAttention(SPAttentionBackend):
             the kernel's saved tensors kept). At most the largest local head count is
             used (``HeadPlan.num_chunks``).
         head_chunk_bytes: choose the chunk count per call so that one chunk's full-length tensors
-            (``comm.head_chunked.chunk_live_bytes``: q/k/v/o, their grads, the output grad) take at
+            (``comm.cost.chunk_live_bytes``: q/k/v/o, their grads, the output grad) take at
             most this many bytes; the larger of this choice and ``head_chunks`` is used. ``None``: off.
         ring_group: Ulysses x ring: the ranks holding the same heads of the other segments
             (``SPMesh.ulysses_ring_groups``); ring attention replaces ``kernel`` (its own block
@@ -95,6 +99,19 @@ class UlyssesAttention(SPAttentionBackend):
         self.head_chunk_bytes = head_chunk_bytes
         self._plans: dict[tuple[int, int], HeadPlan] = {}
         self._chunks: dict[tuple[int, int], tuple[HeadChunk, ...]] = {}
+        self._stash: ChunkStash | None = None
+
+    @contextlib.contextmanager
+    def stashing(self, stash: ChunkStash) -> Iterator[None]:
+        """Calls inside run as ONE head chunk through ``stash`` (``comm.head_chunked.ChunkStash``): the
+        caller chunks the heads itself and recomputes the code around attention (``memory.head_blocks``)."""
+        if self.ring is not None:
+            raise ValueError("head blocks cannot run under Ulysses x ring; use sp_ring_size=None.")
+        previous, self._stash = self._stash, stash
+        try:
+            yield
+        finally:
+            self._stash = previous
 
     def plan(self, num_heads: int, num_kv_heads: int) -> HeadPlan:
         """The head split for ``num_heads`` query and ``num_kv_heads`` kv heads (validated, cached)."""
@@ -139,6 +156,9 @@ class UlyssesAttention(SPAttentionBackend):
             qa, qb = part.q_ranges[self.a2a_rank]
             return self.kernel(q, k, v, mask, sinks=params[0][qa:qb], **kw)  # 3. this rank's heads' sinks
 
+        if self._stash is not None and self.a2a_size > 1:  # one chunk of a caller's head blocks
+            return head_chunked_attention(q_BNsH, k_BKsH, v_BKsH, plan.chunks(1), self.sp_group, attend, params,
+                                          replay_rng=dropout > 0, stash=self._stash)
         C = self.num_chunks(plan, q_BNsH, v_BKsH.shape[3])
         if C > 1:
             if (N, plan.num_kv_heads, C) not in self._chunks:

@@ -27,7 +27,8 @@ def add_config_flags(parser: argparse.ArgumentParser, names: Iterable[str], requ
                      note: str = "") -> None:
     """Add ``--field-name`` for each ``UlyssesSPConfig`` field in ``names`` (``required`` ones without default).
 
-    bool fields that default to False become ``store_true`` flags; ``note`` is appended to every help.
+    bool fields that default to False become ``store_true`` flags, those that default to True a
+    ``--name`` / ``--no-name`` pair; ``note`` is appended to every help.
     """
     fields = {f.name: f for f in dataclasses.fields(UlyssesSPConfig)}
     hints = typing.get_type_hints(UlyssesSPConfig)
@@ -36,9 +37,10 @@ def add_config_flags(parser: argparse.ArgumentParser, names: Iterable[str], requ
         f, kind = fields[name], _value_type(hints[name])
         flag, help_text = "--" + name.replace("_", "-"), f.metadata["help"] + note
         if kind is bool:
-            if f.default is not False:
-                raise ValueError(f"{name} defaults to {f.default!r}: a store_true flag could not turn it off.")
-            parser.add_argument(flag, action="store_true", help=help_text)
+            if f.default is True:
+                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=True, help=help_text)
+            else:
+                parser.add_argument(flag, action="store_true", help=help_text)
         elif name in required:
             parser.add_argument(flag, type=kind, required=True, help=help_text)
         else:

@@ -133,3 +133,28 @@ def attention_comm(
                              P - 1 + extra, 2 * P - 1 + extra,
                              "fwd (P-1)*B*s*2KH*b; bwd (P-1)*B*s*2KH*b + P*B*s*2KH*4; + zigzag re-layout (s even)")
     raise ValueError(f"unknown system {system!r}")
+
+
+def chunk_live_bytes(plan: HeadPlan, C: int, B: int, S: int, H: int, Hv: int, itemsize: int) -> int:
+    """Bytes of the full-length tensors one chunk holds in backward, the largest over ranks and chunks.
+
+    Per chunk of ``n_c`` query heads reading ``k_c`` kv heads, what the kernel's backward holds: q
+    and dq, o and its gradient ``B*S*n_c*(2H + 2Hv)``, k, v, dk and dv ``B*S*k_c*2*(H + Hv)`` (times
+    ``itemsize``), and the fp32 log-sum-exp ``B*S*n_c*4``. Not counted: the kernel's own
+    temporaries. With grouped kv heads (N > K) a chunk needs a whole kv head even for one query
+    head, so the kv part shrinks with C only down to one kv head a chunk.
+    """
+    worst = 0
+    for chunk in plan.chunks(C):
+        for r in range(plan.sp_size):
+            (qa, qb), (ka, kb) = chunk.q_ranges[r], chunk.kv_read_ranges[r]
+            n, k = qb - qa, kb - ka
+            worst = max(worst, B * S * (itemsize * (n * (2 * H + 2 * Hv) + k * 2 * (H + Hv)) + 4 * n))
+    return worst
+
+
+def chunks_for_bytes(plan: HeadPlan, limit_bytes: int, B: int, S: int, H: int, Hv: int, itemsize: int) -> int:
+    """The fewest head chunks whose :func:`chunk_live_bytes` fit ``limit_bytes`` (the most chunks if none do)."""
+    most = plan.num_chunks(plan.num_heads)
+    return next((C for C in range(1, most + 1) if chunk_live_bytes(plan, C, B, S, H, Hv, itemsize) <= limit_bytes),
+                most)

@@ -30,11 +30,12 @@ sharded tensors, nothing full-length (the graphs it keeps hold the log-sum-exp).
 
 Peak of the layer (besides the sharded inputs, the output and its gradient): forward, one chunk's
 q/k/v/o plus the next chunk's q/k/v in flight; backward, one chunk's q/k/v/o, go and dq/dk/dv plus
-the kernel's temporaries (``chunk_live_bytes``). ``chunks_for_bytes`` picks C from a byte target.
+the kernel's temporaries (``comm.cost.chunk_live_bytes``; ``chunks_for_bytes`` picks C from a byte target).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
 
@@ -44,7 +45,8 @@ from torch.autograd.function import once_differentiable
 from torch.distributed import ProcessGroup
 
 from ulysses_sp.comm import layout
-from ulysses_sp.comm.layout import HeadChunk, HeadPlan
+from ulysses_sp.comm.layout import HeadChunk
+from ulysses_sp.comm.rng import RngState
 from ulysses_sp.comm.saved_graph import SavedGraph, free_storage
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, HeadChunk, tuple[torch.Tensor, ...]], torch.Tensor]
@@ -107,40 +109,91 @@ class _Chunks:
         return dataclasses.replace(chunk, kv_ranges=ranges)
 
 
+class ChunkStash:
+    """The forward results of head-chunked calls, held for a recompute of the code AROUND them.
+
+    A caller that recomputes the projections around attention in backward (``memory.head_blocks``),
+    but not the kernel, runs the same calls twice::
+
+        mode "keep"    (its forward, no grad): each call runs as usual and leaves its output, the
+                       kept kernel graphs and RNG states here, in call order; it returns the output
+        mode "replay"  (its recompute, with grad): each call takes the next held result instead of
+                       running the kernel, so it costs no collective; its backward is the usual one
+
+    A replayed call that finds nothing held (a second backward) runs the kernel again.
+    """
+
+    def __init__(self) -> None:
+        self.mode = "keep"
+        self.runs: list[_Run] = []
+
+    def outputs(self) -> list[torch.Tensor]:
+        """The held outputs ``o (B,s,N,Hv)``, taken out (to be saved by the caller, who gives them back)."""
+        outs = [run.out for run in self.runs]
+        for run in self.runs:
+            run.out = None
+        return outs
+
+    def replay(self, outputs: list[torch.Tensor]) -> None:
+        """Switch to "replay" with the outputs :meth:`outputs` took."""
+        for run, out in zip(self.runs, outputs):
+            run.out = out
+        self.mode = "replay"
+
+
+@dataclasses.dataclass
+class _Run:
+    """One call's forward: its output, per chunk the RNG state and the kept graph, the param leaves."""
+
+    out: torch.Tensor | None
+    rng: list
+    graphs: list
+    leaves: tuple[torch.Tensor, ...]
+
+
+def _run_forward(q_BNsH, k_BKsH, v_BKsH, chunks: tuple[HeadChunk, ...], group: ProcessGroup, attend: Attend,
+                 replay_rng: bool, keep_graphs: bool, params: tuple[torch.Tensor, ...]) -> _Run:
+    """The forward of the module docstring: every chunk exchanged, attended and sent back."""
+    B, N, s, H = q_BNsH.shape
+    K, Hv = k_BKsH.shape[1], v_BKsH.shape[3]
+    run = _Chunks(chunks, group, (B, N, K, s, H, Hv))
+    rngs: list = [None] * len(chunks)  # per chunk: the RNG state its recompute replays (dropout)
+    graphs: list = [None] * len(chunks)  # per chunk: (SavedGraph, q, k, v, o) where the graph is kept
+    leaves = tuple(p.detach().requires_grad_(p.requires_grad) for p in params)
+    out = q_BNsH.new_empty(B, s, N, Hv)
+    sent_out: tuple[_InFlight, HeadChunk] | None = None
+    qkv_next = run.send_qkv(q_BNsH, k_BKsH, v_BKsH, 0)
+    for c, chunk in enumerate(chunks):
+        qkv = qkv_next
+        if c + 1 < len(chunks):
+            qkv_next = run.send_qkv(q_BNsH, k_BKsH, v_BKsH, c + 1)  # in flight while chunk c computes
+        q, k, v = run.receive_qkv(qkv.wait(), c)
+        rngs[c] = RngState.capture(q.device) if replay_rng else None
+        o_BSnH, graph = _attend_keeping_graph(attend, q, k, v, chunk, leaves, keep_graphs)
+        recv_sizes = [B * s * (qb - qa) * Hv for qa, qb in chunk.q_ranges]
+        packed = layout.pack_out(o_BSnH, chunk)
+        if graph is not None and graph.release({"q": q, "k": k, "v": v, "o": o_BSnH}, q.nbytes // 2):
+            graphs[c] = (graph, q, k, v, o_BSnH)
+            free_storage(q, k, v, o_BSnH)  # the graph rebuilds them in backward
+        del q, k, v, o_BSnH, graph  # packed: free o before the receive buffer is allocated
+        sending = (_InFlight(packed, recv_sizes, group), chunk)
+        del packed
+        if sent_out is not None:
+            layout.unpack_out(sent_out[0].wait(), sent_out[1], B, s, Hv, into=out)
+        sent_out = sending
+    layout.unpack_out(sent_out[0].wait(), sent_out[1], B, s, Hv, into=out)
+    return _Run(out, rngs, graphs, leaves)
+
+
 class _HeadChunkedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_BNsH, k_BKsH, v_BKsH, chunks: tuple[HeadChunk, ...], group: ProcessGroup, attend: Attend,
-                replay_rng: bool, keep_graphs: bool, *params: torch.Tensor):
-        B, N, s, H = q_BNsH.shape
-        K, Hv = k_BKsH.shape[1], v_BKsH.shape[3]
-        run = _Chunks(chunks, group, (B, N, K, s, H, Hv))
-        ctx.rng = [None] * len(chunks)  # per chunk: the RNG state its recompute replays (dropout)
-        ctx.graphs = [None] * len(chunks)  # per chunk: (SavedGraph, q, k, v, o) where the graph is kept
-        leaves = tuple(p.detach().requires_grad_(p.requires_grad) for p in params)
-        out = q_BNsH.new_empty(B, s, N, Hv)
-        sent_out: tuple[_InFlight, HeadChunk] | None = None
-        qkv_next = run.send_qkv(q_BNsH, k_BKsH, v_BKsH, 0)
-        for c, chunk in enumerate(chunks):
-            qkv = qkv_next
-            if c + 1 < len(chunks):
-                qkv_next = run.send_qkv(q_BNsH, k_BKsH, v_BKsH, c + 1)  # in flight while chunk c computes
-            q, k, v = run.receive_qkv(qkv.wait(), c)
-            ctx.rng[c] = _rng_state(q.device) if replay_rng else None
-            o_BSnH, graph = _attend_keeping_graph(attend, q, k, v, chunk, leaves, keep_graphs)
-            recv_sizes = [B * s * (qb - qa) * Hv for qa, qb in chunk.q_ranges]
-            packed = layout.pack_out(o_BSnH, chunk)
-            if graph is not None and graph.release({"q": q, "k": k, "v": v, "o": o_BSnH}, q.nbytes // 2):
-                ctx.graphs[c] = (graph, q, k, v, o_BSnH)
-                free_storage(q, k, v, o_BSnH)  # the graph rebuilds them in backward
-            del q, k, v, o_BSnH, graph  # packed: free o before the receive buffer is allocated
-            sending = (_InFlight(packed, recv_sizes, group), chunk)
-            del packed
-            if sent_out is not None:
-                layout.unpack_out(sent_out[0].wait(), sent_out[1], B, s, Hv, into=out)
-            sent_out = sending
-        layout.unpack_out(sent_out[0].wait(), sent_out[1], B, s, Hv, into=out)
+                replay_rng: bool, keep_graphs: bool, held: _Run | None, *params: torch.Tensor):
+        run = held or _run_forward(q_BNsH, k_BKsH, v_BKsH, chunks, group, attend, replay_rng, keep_graphs, params)
+        out = run.out.detach()
+        ctx.rng, ctx.graphs, ctx.leaves = run.rng, run.graphs, run.leaves
         ctx.save_for_backward(q_BNsH, k_BKsH, v_BKsH, out, *params)
-        ctx.chunks, ctx.group, ctx.attend, ctx.leaves = chunks, group, attend, leaves
+        ctx.chunks, ctx.group, ctx.attend = chunks, group, attend
         return out
 
     @staticmethod
@@ -173,9 +226,7 @@ class _HeadChunkedAttention(torch.autograd.Function):
             else:  # 3. recompute (the RNG state of the forward replayed for dropout)
                 o_in.wait()  # the output is not needed: the recompute makes it
                 go = layout.unpack_out_grad(gout.wait(), chunk, run.rank, B, s, Hv)
-                with torch.random.fork_rng(devices=_rng_devices(q.device), enabled=ctx.rng[c] is not None):
-                    if ctx.rng[c] is not None:
-                        _set_rng_state(q.device, ctx.rng[c])
+                with ctx.rng[c].replayed() if ctx.rng[c] is not None else contextlib.nullcontext():
                     dq, dk, dv, dp = _chunk_grads(ctx.attend, q, k, v, go, chunk, ctx.leaves)
                 del q, k, v
             del kept, go
@@ -192,7 +243,7 @@ class _HeadChunkedAttention(torch.autograd.Function):
             sent_grads = (_InFlight(packed, recv_sizes, ctx.group), grad_chunk)  # 4.
             del packed
         layout.unpack_qkv_grad(sent_grads[0].wait(), sent_grads[1], B, s, H, Hv, into=grads)
-        return (*grads, None, None, None, None, None, *param_grads)
+        return (*grads, None, None, None, None, None, None, *param_grads)
 
 
 def _attend_keeping_graph(attend: Attend, q, k, v, chunk: HeadChunk, leaves: tuple[torch.Tensor, ...],
@@ -236,23 +287,10 @@ def _leaf_grads(o_BSnH, qkv: tuple, go_BSnH, params: tuple[torch.Tensor, ...], l
     return dq, dk, dv, [next(found) if p.requires_grad else None for p in params]
 
 
-def _rng_devices(device: torch.device) -> list:
-    return [device] if device.type == "cuda" else []
-
-
-def _rng_state(device: torch.device) -> tuple:
-    return torch.get_rng_state(), (torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
-
-
-def _set_rng_state(device: torch.device, state: tuple) -> None:
-    torch.set_rng_state(state[0])
-    if state[1] is not None:
-        torch.cuda.set_rng_state(state[1], device)
-
-
 def head_chunked_attention(
     q_BNsH: torch.Tensor, k_BKsH: torch.Tensor, v_BKsH: torch.Tensor, chunks: tuple[HeadChunk, ...],
     group: ProcessGroup, attend: Attend, params: tuple[torch.Tensor, ...] = (), replay_rng: bool = False,
+    stash: ChunkStash | None = None,
 ) -> torch.Tensor:
     """``attend`` on all tokens, one chunk of this rank's heads at a time, recomputed in backward.
 
@@ -267,34 +305,20 @@ def head_chunked_attention(
             their gradients are lost.
         replay_rng: ``attend`` draws random numbers (attention dropout): replay the forward's RNG
             state for the recompute.
+        stash: a caller that recomputes the code around this call (:class:`ChunkStash`): in its
+            "keep" mode the results are held there (kernel graphs kept even without grad), in its
+            "replay" mode they are taken from there instead of computed.
 
     Returns:
         ``o (B, s, N, Hv)``, equal to ``head_to_seq_out(attend(seq_to_head_qkv(...)))``.
     """
+    if stash is not None and stash.mode == "keep":
+        run = _run_forward(q_BNsH, k_BKsH, v_BKsH, chunks, group, attend, replay_rng, True, params)
+        stash.runs.append(run)
+        return run.out
+    held = None
+    if stash is not None and stash.runs:
+        held = stash.runs.pop(0)
     keep_graphs = torch.is_grad_enabled() and any(t.requires_grad for t in (q_BNsH, k_BKsH, v_BKsH, *params))
-    return _HeadChunkedAttention.apply(q_BNsH, k_BKsH, v_BKsH, chunks, group, attend, replay_rng, keep_graphs, *params)
-
-
-def chunk_live_bytes(plan: HeadPlan, C: int, B: int, S: int, H: int, Hv: int, itemsize: int) -> int:
-    """Bytes of the full-length tensors one chunk holds in backward, the largest over ranks and chunks.
-
-    Per chunk of ``n_c`` query heads reading ``k_c`` kv heads, what the kernel's backward holds: q
-    and dq, o and its gradient ``B*S*n_c*(2H + 2Hv)``, k, v, dk and dv ``B*S*k_c*2*(H + Hv)`` (times
-    ``itemsize``), and the fp32 log-sum-exp ``B*S*n_c*4``. Not counted: the kernel's own
-    temporaries. With grouped kv heads (N > K) a chunk needs a whole kv head even for one query
-    head, so the kv part shrinks with C only down to one kv head a chunk.
-    """
-    worst = 0
-    for chunk in plan.chunks(C):
-        for r in range(plan.sp_size):
-            (qa, qb), (ka, kb) = chunk.q_ranges[r], chunk.kv_read_ranges[r]
-            n, k = qb - qa, kb - ka
-            worst = max(worst, B * S * (itemsize * (n * (2 * H + 2 * Hv) + k * 2 * (H + Hv)) + 4 * n))
-    return worst
-
-
-def chunks_for_bytes(plan: HeadPlan, limit_bytes: int, B: int, S: int, H: int, Hv: int, itemsize: int) -> int:
-    """The fewest head chunks whose :func:`chunk_live_bytes` fit ``limit_bytes`` (the most chunks if none do)."""
-    most = plan.num_chunks(plan.num_heads)
-    return next((C for C in range(1, most + 1) if chunk_live_bytes(plan, C, B, S, H, Hv, itemsize) <= limit_bytes),
-                most)
+    return _HeadChunkedAttention.apply(q_BNsH, k_BKsH, v_BKsH, chunks, group, attend, replay_rng, keep_graphs,
+                                       held, *params)

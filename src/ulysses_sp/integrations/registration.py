@@ -12,8 +12,10 @@ reverse order::
     5. kernel        set_attn_implementation(key); vision / audio towers keep their own kernel
     6. use_cache     False on the model config and its text config
     7. tiled MLP     every .mlp wrapped in TiledMLP / TiledMoE (config.tiled_mlp_tokens)
-    8. mixers        SP forwards of linear-attention / state-space mixers
-    9. RoPE length   dynamic NTK / LongRoPE fed the global batch's length
+    8. head blocks   qualifying attention modules run one chunk of heads at a time, projections
+                     included (config.sp_head_chunks / sp_head_chunk_mib with sp_head_blocks)
+    9. mixers        SP forwards of linear-attention / state-space mixers
+   10. RoPE length   dynamic NTK / LongRoPE fed the global batch's length
 """
 
 from __future__ import annotations
@@ -23,10 +25,12 @@ from collections.abc import Callable
 
 from transformers import AttentionInterface, PretrainedConfig, PreTrainedModel
 
+from ulysses_sp.attention import UlyssesAttention
 from ulysses_sp.comm.mesh import SPMesh
 from ulysses_sp.config import UlyssesSPConfig
 from ulysses_sp.integrations import vlm
 from ulysses_sp.integrations.adapter import AttentionAdapter, AttentionFunction
+from ulysses_sp.integrations.head_blocks import HeadBlocks
 from ulysses_sp.integrations.hf_internals import current_attn_implementation, unregister_attention_function
 from ulysses_sp.integrations.rope import feed_global_length
 from ulysses_sp.memory import ActivationOffload, apply_tiled_mlp, remove_tiled_mlp
@@ -54,7 +58,8 @@ class Registration:
         self.base, self.mesh, self.config, self.key = base, mesh, config, key
         self.adapter, self.offload = adapter, offload
         self.wrappers: list[Wrapper] = []  # wrap_attention's, innermost first
-        self.mixers: SPMixers | None = None  # installed by step 8 while registered
+        self.mixers: SPMixers | None = None  # installed by step 9 while registered
+        self.head_block_refusals: dict[str, str] = {}  # step 8: attention modules left to attention-call chunking
         self._undo: contextlib.ExitStack | None = None  # the undo of every step done; None: not registered
 
     @property
@@ -67,7 +72,7 @@ class Registration:
         if self._undo is not None:
             return
         steps = (self._offload, self._registry_key, self._call_mask_hook, self._vision_hook, self._kernel,
-                 self._no_cache, self._tiled_mlp, self._mixers, self._rope_length)
+                 self._no_cache, self._tiled_mlp, self._head_blocks, self._mixers, self._rope_length)
         with contextlib.ExitStack() as stack:
             for step in steps:
                 step(stack)
@@ -130,6 +135,15 @@ class Registration:
         if self.config.tiled_mlp_tokens is not None:
             apply_tiled_mlp(self.base, self.config.tiled_mlp_tokens)  # checks every block before wrapping any
             stack.callback(remove_tiled_mlp, self.base)
+
+    def _head_blocks(self, stack: contextlib.ExitStack) -> None:
+        attention, config = self.adapter.attention, self.config
+        chunked = config.sp_head_chunks > 1 or config.head_chunk_bytes is not None
+        if (config.sp_head_blocks and chunked and isinstance(attention, UlyssesAttention) and attention.ring is None
+                and attention.a2a_size > 1):
+            blocks = HeadBlocks(self.base, attention, config.sp_head_chunks, config.head_chunk_bytes)
+            stack.callback(blocks.remove)  # also the modules swapped before one raised
+            self.head_block_refusals = blocks.install()
 
     def _mixers(self, stack: contextlib.ExitStack) -> None:
         mixers = SPMixers(self.base, self.mesh)

@@ -60,7 +60,7 @@ from typing import Any
 
 import torch
 
-from ulysses_sp.comm.head_chunked import chunk_live_bytes
+from ulysses_sp.comm.cost import chunk_live_bytes
 from ulysses_sp.comm.layout import HeadPlan
 
 
