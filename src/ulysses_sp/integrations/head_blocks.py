@@ -36,7 +36,7 @@ from ulysses_sp.attention import UlyssesAttention
 from ulysses_sp.comm.cost import chunk_live_bytes
 from ulysses_sp.comm.layout import HeadPlan
 from ulysses_sp.integrations import vlm
-from ulysses_sp.memory.head_blocks import BlockCall, head_blocks, linear_into
+from ulysses_sp.memory.head_blocks import BlockCall, head_blocks, linear_graph_only, linear_into
 from ulysses_sp.swaps import InstanceForward, instance_forward
 
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -81,6 +81,10 @@ class _Module:
         self.Hv = module.v_proj.out_features // self.K
         self.original = module.forward  # the forward before ours (an instance forward someone set, or the class's)
         self.swap: InstanceForward | None = None
+        # o_proj's output, as the forward of the block in progress made it: the module returns it as it is
+        # (its recompute in backward then needs only o_proj's graph, not its values; ``linear_graph_only``)
+        self.o_out: torch.Tensor | None = None
+        self.returns_o, self.o_dtype = False, torch.float32
 
     def blocks(self, G: int) -> list[tuple[int, int]]:
         """The kv-head ranges ``[a, b)`` of ``G`` blocks (sizes differ by at most one)."""
@@ -104,21 +108,27 @@ class _Module:
             for name, (lo, hi, width) in rows.items():
                 stack.enter_context(instance_forward(getattr(m, name), _rows(getattr(m, name), lo * width, hi * width,
                                                                               x, x_grad)))
-            stack.enter_context(instance_forward(m.o_proj, _columns(m.o_proj, a * group * self.Hv, b * group * self.Hv,
-                                                                      first)))
+            o_cols = self._columns(a * group * self.Hv, b * group * self.Hv, first, x_grad is not None)
+            stack.enter_context(instance_forward(m.o_proj, o_cols))
             yield
+
+    def _columns(self, lo: int, hi: int, with_bias: bool, backward: bool):
+        linear = self.module.o_proj
+
+        def forward(a: torch.Tensor) -> torch.Tensor:
+            weight, bias = linear.weight[:, lo:hi], linear.bias if with_bias else None
+            if backward and self.returns_o:
+                return linear_graph_only(a, weight, bias, self.o_dtype)
+            self.o_out = out = F.linear(a, weight, bias)
+            self.o_dtype = out.dtype
+            return out
+        return forward
 
 
 def _rows(linear: nn.Linear, lo: int, hi: int, source: torch.Tensor, x_grad: torch.Tensor | None):
     def forward(x: torch.Tensor) -> torch.Tensor:
         into = x_grad if x is source else None  # anything else (a cast, another tensor): autograd's path
         return linear_into(x, linear.weight[lo:hi], None if linear.bias is None else linear.bias[lo:hi], into)
-    return forward
-
-
-def _columns(linear: nn.Linear, lo: int, hi: int, with_bias: bool):
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, linear.weight[:, lo:hi], linear.bias if with_bias else None)
     return forward
 
 
@@ -198,6 +208,9 @@ class HeadBlocks:
                 with entry.sliced(ranges[g], g == 0, x, call.x_grad), (
                         self.attention.stashing(call.stash) if call.stash is not None else contextlib.nullcontext()):
                     out = entry.original(x, *rest, **kwargs)
+                if call.x_grad is None:  # forward: did the module return o_proj's output untouched?
+                    entry.returns_o = out[0] is entry.o_out
+                entry.o_out = None
                 extra[:] = out[1:]
                 return out[0]
 

@@ -77,6 +77,31 @@ class _LinearInto(torch.autograd.Function):
         return None, dw, db, None
 
 
+class _LinearGraphOnly(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, dtype):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return x.new_zeros((), dtype=dtype).expand(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        dx = (dy2 @ weight.to(dy.dtype)).to(x.dtype).view(x.shape) if ctx.needs_input_grad[0] else None
+        dw = (dy2.t() @ x.reshape(-1, x.shape[-1]).to(dy.dtype)).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        db = dy2.sum(0).to(weight.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return dx, dw, db, None
+
+
+def linear_graph_only(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                      dtype: torch.dtype) -> torch.Tensor:
+    """``F.linear``'s graph without its values: the output reads as zeros (one stride-0 element of
+    ``dtype``), the backward is F.linear's. For the last op of a recomputed block whose output values
+    nobody reads (saves the ``(B, s, D)`` output and its matmul)."""
+    return _LinearGraphOnly.apply(x, weight, bias, dtype)
+
+
 def linear_into(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 into: torch.Tensor | None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``; with ``into`` (x's shape, contiguous), x's gradient is added into it in

@@ -103,7 +103,7 @@ def _tiled_backward(ctx, grads_out: Sequence[torch.Tensor | None], first_param_i
     needs = ctx.needs_input_grad[first_param_input:]
     wanted = [p for p, need in zip(params, needs) if need]
     param_grads: list[torch.Tensor | None] = [None] * len(wanted)
-    dx_tiles = []
+    dx = torch.empty_like(x, memory_format=torch.contiguous_format) if need_dx else None  # tiles written in place
     device_type, autocast_on, autocast_dtype = ctx.autocast
     tiles = x.split(ctx.tile, dim=ctx.dim)
     for i, x_tile in enumerate(tiles):
@@ -122,13 +122,13 @@ def _tiled_backward(ctx, grads_out: Sequence[torch.Tensor | None], first_param_i
         else:
             grads = [None] * len(inputs)
         if need_dx:
-            dx = grads.pop(0)
-            dx_tiles.append(torch.zeros_like(x_t) if dx is None else dx)
+            d = grads.pop(0)
+            target = dx.narrow(ctx.dim, start, length)
+            target.zero_() if d is None else target.copy_(d)
         for j, g in enumerate(grads):
             if g is not None:
                 param_grads[j] = g if param_grads[j] is None else param_grads[j] + g
         del outs, pairs, grads  # free this tile's recomputed graph before the next tile
-    dx = torch.cat(dx_tiles, dim=ctx.dim) if need_dx else None
     it = iter(param_grads)
     return dx, [next(it) if need else None for need in needs]
 
