@@ -203,14 +203,21 @@ class _HeadChunkedAttention(torch.autograd.Function):
         B, N, s, H = q_BNsH.shape
         K, Hv = k_BKsH.shape[1], v_BKsH.shape[3]
         run = _Chunks(ctx.chunks, ctx.group, (B, N, K, s, H, Hv))
-        grads = (q_BNsH.new_empty(B, N, s, H), k_BKsH.new_zeros(B, K, s, H), v_BKsH.new_zeros(B, K, s, Hv))
+        grads = None  # the sharded q/k/v grads: allocated when the first chunk's land, after its kernel backward
+
+        def landed(buf: torch.Tensor, grad_chunk: HeadChunk) -> None:
+            nonlocal grads
+            if grads is None:
+                grads = (q_BNsH.new_empty(B, N, s, H), k_BKsH.new_zeros(B, K, s, H), v_BKsH.new_zeros(B, K, s, Hv))
+            layout.unpack_qkv_grad(buf, grad_chunk, B, s, H, Hv, into=grads)
+
         param_grads: list[torch.Tensor | None] = [None] * len(params)
         pending, sent_grads = None, None
         for c, chunk in enumerate(run.chunks):
             n = chunk.num_local_heads(run.rank)[0]
             qkv = run.send_qkv(q_BNsH, k_BKsH, v_BKsH, c)  # 1.
             if sent_grads is not None:  # 2.
-                layout.unpack_qkv_grad(sent_grads[0].wait(), sent_grads[1], B, s, H, Hv, into=grads)
+                landed(sent_grads[0].wait(), sent_grads[1])
             q, k, v = run.receive_qkv(qkv.wait(), c)
             # the output and its gradient once q|k|v are unpacked: their buffers never coexist with q|k|v's
             o_in = _InFlight(layout.pack_out_grad(out, chunk), [B * s * n * Hv] * run.P, ctx.group)
@@ -242,7 +249,7 @@ class _HeadChunkedAttention(torch.autograd.Function):
             del dq, dk, dv  # packed: free them before the receive buffer is allocated
             sent_grads = (_InFlight(packed, recv_sizes, ctx.group), grad_chunk)  # 4.
             del packed
-        layout.unpack_qkv_grad(sent_grads[0].wait(), sent_grads[1], B, s, H, Hv, into=grads)
+        landed(sent_grads[0].wait(), sent_grads[1])
         return (*grads, None, None, None, None, None, None, *param_grads)
 
 
