@@ -99,19 +99,20 @@ class UlyssesAttention(SPAttentionBackend):
         self.head_chunk_bytes = head_chunk_bytes
         self._plans: dict[tuple[int, int], HeadPlan] = {}
         self._chunks: dict[tuple[int, int], tuple[HeadChunk, ...]] = {}
-        self._stash: ChunkStash | None = None
+        self._block: tuple[ChunkStash | None] | None = None  # inside a caller's head block: (its stash,)
 
     @contextlib.contextmanager
-    def stashing(self, stash: ChunkStash) -> Iterator[None]:
-        """Calls inside run as ONE head chunk through ``stash`` (``comm.head_chunked.ChunkStash``): the
-        caller chunks the heads itself and recomputes the code around attention (``memory.head_blocks``)."""
+    def stashing(self, stash: ChunkStash | None) -> Iterator[None]:
+        """Calls inside are one block of a caller that chunks the heads itself (``memory.head_blocks``):
+        each runs as ONE head chunk, through ``stash`` (``comm.head_chunked.ChunkStash``, where the caller
+        recomputes the code around attention) or, with None (no grad), as the plain exchange."""
         if self.ring is not None:
             raise ValueError("head blocks cannot run under Ulysses x ring; use sp_ring_size=None.")
-        previous, self._stash = self._stash, stash
+        previous, self._block = self._block, (stash,)
         try:
             yield
         finally:
-            self._stash = previous
+            self._block = previous
 
     def plan(self, num_heads: int, num_kv_heads: int) -> HeadPlan:
         """The head split for ``num_heads`` query and ``num_kv_heads`` kv heads (validated, cached)."""
@@ -156,10 +157,10 @@ class UlyssesAttention(SPAttentionBackend):
             qa, qb = part.q_ranges[self.a2a_rank]
             return self.kernel(q, k, v, mask, sinks=params[0][qa:qb], **kw)  # 3. this rank's heads' sinks
 
-        if self._stash is not None and self.a2a_size > 1:  # one chunk of a caller's head blocks
+        C = 1 if self._block is not None else self.num_chunks(plan, q_BNsH, v_BKsH.shape[3])
+        if self._block is not None and self._block[0] is not None and self.a2a_size > 1:  # a caller's head block
             return head_chunked_attention(q_BNsH, k_BKsH, v_BKsH, plan.chunks(1), self.sp_group, attend, params,
-                                          replay_rng=dropout > 0, stash=self._stash)
-        C = self.num_chunks(plan, q_BNsH, v_BKsH.shape[3])
+                                          replay_rng=dropout > 0, stash=self._block[0])
         if C > 1:
             if (N, plan.num_kv_heads, C) not in self._chunks:
                 self._chunks[(N, plan.num_kv_heads, C)] = plan.chunks(C)

@@ -132,12 +132,14 @@ def ladder(args: argparse.Namespace) -> list[tuple[str, Any]]:
     base = dict(checkpointing=True, host_is_device=args.cpu, kernel_workspace=not args.cpu,
                 offload_optimizer=args.offload_optimizer, offload_params=args.offload_params)
     tiles = dict(tiled_loss_tokens=args.loss_tile, tiled_mlp_tokens=args.mlp_tile)
+    chunks = args.sp_head_chunks or 1 << 16
     return [
         ("checkpointing", MemoryFeatures(**base)),
         ("+ tiled loss", MemoryFeatures(**base, tiled_loss_tokens=args.loss_tile)),
         ("+ tiled MLP", MemoryFeatures(**base, **tiles)),
         ("+ offload", MemoryFeatures(**base, **tiles, offload=True)),
-        *([("+ head chunks", MemoryFeatures(**base, **tiles, offload=True, head_chunks=args.sp_head_chunks or 1 << 16))]
+        *([("+ head chunks", MemoryFeatures(**base, **tiles, offload=True, head_chunks=chunks, head_blocks=False)),
+           ("+ head blocks", MemoryFeatures(**base, **tiles, offload=True, head_chunks=chunks))]
           if args.sp_size > 1 else []),
     ]
 

@@ -61,6 +61,16 @@ def _zigzag_terms(P: int, r: int, B: int, s: int, n: int, k: int, H: int, itemsi
     return moved_to * qkv_half + moved_back * o_half, moved_to * o_half + moved_back * qkv_half
 
 
+def _ulysses_bytes(plan: HeadPlan, rank: int, B: int, s: int, H: int, itemsize: int) -> tuple[int, int, int]:
+    """Rank ``rank``'s bytes of one Ulysses layer: (forward, backward, what a chunked backward sends again)."""
+    P = plan.sp_size
+    sent = plan.bytes_sent_per_rank(rank, B, s, H, H, itemsize)
+    n = [plan.num_local_heads(j)[0] for j in range(P)]
+    out_grads = sum(B * s * n[j] * H for j in range(P) if j != rank)
+    bwd = ((P - 1) * plan.qkv_numels(rank, B, s, H, H) + out_grads) * itemsize
+    return sent["qkv"] + sent["out"], bwd, sent["qkv"] + out_grads * itemsize
+
+
 @dataclass(frozen=True)
 class AttentionComm:
     """Per attention layer and rank: bytes sent forward / backward and collective counts, with the formula text."""
@@ -72,14 +82,32 @@ class AttentionComm:
     text: str
 
 
+def head_block_ranges(N: int, K: int, P: int, requested: int) -> tuple[tuple[int, int], ...]:
+    """The kv-head ranges ``[a, b)`` of the head blocks of one attention module (``memory.head_blocks``).
+
+    A block is a run of whole kv groups and their ``(b - a) * N / K`` query heads, block sizes
+    differing by at most one kv head; as many blocks as ``requested`` but never one with fewer query
+    heads than the ``P`` ranks its all-to-all splits them over.
+    """
+    group = N // K
+    most = max((G for G in range(1, K + 1) if (K // G) * group >= P), default=1)
+    G = max(1, min(requested, most))
+    sizes = [K // G + (g < K % G) for g in range(G)]
+    return tuple((sum(sizes[:g]), sum(sizes[:g + 1])) for g in range(G))
+
+
 def attention_comm(
     system: str, P: int, B: int, S: int, N: int, K: int, H: int, itemsize: int, rank: int = 0, head_chunks: int = 1,
-    ring_size: int = 1, ring_balanced: bool = True,
+    ring_size: int = 1, ring_balanced: bool = True, head_blocks: bool = False,
 ) -> AttentionComm:
     """The communication model of ``system`` for one attention layer (see the module docstring).
 
     ``head_chunks``: ``sp_head_chunks`` of the ``ulysses`` system (2C + 4C collectives, the backward
     re-sends each chunk's q|k|v and output).
+    ``head_blocks``: with ``head_chunks``, the attention module runs as head blocks
+    (``head_block_ranges``; ``sp_head_blocks``): per block the exchanges of a one-chunk chunked
+    call of its heads, 2G + 4G collectives; a block with fewer kv heads than P sends each to several
+    ranks, so grouped kv heads cost more bytes than attention-call chunking. One block: as without.
     ``ring_size``: ``R`` of the ``ulysses_ring`` system (``rank`` is the SP rank; its all-to-all
     rank is ``rank % (P // R)``). ``ring_balanced``: the ring's zigzag re-layout runs (a causal
     mask without a window, ``RingAttention.zigzag_applies``); False for windowed / non-causal calls.
@@ -107,19 +135,22 @@ def attention_comm(
         return AttentionComm(0, 0, 0, 0, "no communication")
     if head_chunks != 1 and system != "ulysses":
         raise ValueError(f"head_chunks applies to the 'ulysses' system only, got system {system!r}.")
+    if system == "ulysses" and head_blocks and len(head_block_ranges(N, K, P, head_chunks)) > 1:
+        blocks = head_block_ranges(N, K, P, head_chunks)
+        parts = [_ulysses_bytes(HeadPlan((b - a) * (N // K), b - a, P), rank, B, s, H, itemsize) for a, b in blocks]
+        return AttentionComm(sum(f for f, _, _ in parts), sum(b + again for _, b, again in parts),
+                             2 * len(blocks), 4 * len(blocks),
+                             f"{len(blocks)} head blocks (kv ranges {list(blocks)}): per block, the chunked formula "
+                             "of its heads; 2G + 4G collectives")
     if system == "ulysses":
         plan = HeadPlan(N, K, P)
-        sent = plan.bytes_sent_per_rank(rank, B, s, H, H, itemsize)
-        fwd = sent["qkv"] + sent["out"]
-        n = [plan.num_local_heads(j)[0] for j in range(P)]
-        out_grads = sum(B * s * n[j] * H for j in range(P) if j != rank)
-        bwd = ((P - 1) * plan.qkv_numels(rank, B, s, H, H) + out_grads) * itemsize
+        fwd, bwd, again = _ulysses_bytes(plan, rank, B, s, H, itemsize)
         text = "HeadPlan.bytes_sent_per_rank: qkv+out = B*s*(n_j*H + k_j*2H) over j!=r + B*s*n_r*H*(P-1), x b"
         C = plan.num_chunks(head_chunks)
         if C == 1:
             return AttentionComm(fwd, bwd, 2, 2, text)
         text += f"; {C} head chunks: + q|k|v and o again in backward, 2C + 4C collectives"
-        return AttentionComm(fwd, bwd + sent["qkv"] + out_grads * itemsize, 2 * C, 4 * C, text)
+        return AttentionComm(fwd, bwd + again, 2 * C, 4 * C, text)
     if system == "deepspeed":
         Kx = max(K, P)
         a2a = B * s * (2 * N * H + 2 * Kx * H) * itemsize * (P - 1) // P

@@ -18,6 +18,8 @@ head chunk of ``UlyssesAttention`` (``stashing``). A module qualifies when its h
     config's ``N`` / ``K`` heads (q rows ``N*w`` for any per-head width ``w``: gated q projections too)
   - every other child with parameters is a per-head norm (a weight of ``H`` elements)
   - no parameter of its own (GPT-OSS sinks) and no ZeRO-3 parameter
+  - no head-count attribute (``num_heads``, ``hidden_size`` ...) its forward could reshape with
+  - it belongs to the text model (its config is the text config; towers keep their own kernel)
 
 Anything else keeps the attention-call chunking (``comm.head_chunked``), which is exact for all.
 """
@@ -33,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ulysses_sp.attention import UlyssesAttention
-from ulysses_sp.comm.cost import chunk_live_bytes
+from ulysses_sp.comm.cost import chunk_live_bytes, head_block_ranges
 from ulysses_sp.comm.layout import HeadPlan
 from ulysses_sp.integrations import vlm
 from ulysses_sp.memory.head_blocks import BlockCall, head_blocks, linear_graph_only, linear_into
@@ -41,6 +43,9 @@ from ulysses_sp.swaps import InstanceForward, instance_forward
 
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 _HEAD_NORMS = ("q_norm", "k_norm")
+# sizes a forward may reshape with (``view(b, s, self.num_heads, d)``): a module holding one runs unsliced
+_SIZE_ATTRIBUTES = ("num_heads", "num_attention_heads", "num_key_value_heads", "hidden_size", "embed_dim",
+                    "all_head_size")
 
 
 def block_refusal(module: nn.Module) -> str | None:
@@ -59,6 +64,9 @@ def block_refusal(module: nn.Module) -> str | None:
         return f"projection sizes do not split into {N} query / {K} kv heads of {H}"
     if getattr(module, "num_key_value_groups", N // K) != N // K:
         return "num_key_value_groups differs from the config's heads"
+    sizes = [name for name in _SIZE_ATTRIBUTES if isinstance(getattr(module, name, None), int)]
+    if sizes:
+        return f"its forward may size tensors by {sizes[0]} (all heads), not by the projections' outputs"
     if next(module.parameters(recurse=False), None) is not None:
         return "parameters of its own (e.g. attention sinks)"
     for name, child in module.named_children():
@@ -77,7 +85,7 @@ class _Module:
     def __init__(self, module: nn.Module) -> None:
         self.module = module
         self.N, self.H = module.config.num_attention_heads, module.head_dim
-        self.K = module.config.num_key_value_heads or self.N
+        self.K = getattr(module.config, "num_key_value_heads", None) or self.N
         self.Hv = module.v_proj.out_features // self.K
         self.original = module.forward  # the forward before ours (an instance forward someone set, or the class's)
         self.swap: InstanceForward | None = None
@@ -85,16 +93,6 @@ class _Module:
         # (its recompute in backward then needs only o_proj's graph, not its values; ``linear_graph_only``)
         self.o_out: torch.Tensor | None = None
         self.returns_o, self.o_dtype = False, torch.float32
-
-    def blocks(self, G: int) -> list[tuple[int, int]]:
-        """The kv-head ranges ``[a, b)`` of ``G`` blocks (sizes differ by at most one)."""
-        sizes = [self.K // G + (g < self.K % G) for g in range(G)]
-        return [(sum(sizes[:g]), sum(sizes[:g + 1])) for g in range(G)]
-
-    def most_blocks(self, P: int) -> int:
-        """The most blocks whose smallest one still gives each of ``P`` ranks a query head."""
-        group = self.N // self.K
-        return max(G for G in range(1, self.K + 1) if (self.K // G) * group >= P)
 
     @contextlib.contextmanager
     def sliced(self, kv: tuple[int, int], first: bool, x: torch.Tensor, x_grad: torch.Tensor | None) -> Iterator[None]:
@@ -163,9 +161,13 @@ class HeadBlocks:
     def install(self) -> dict[str, str]:
         """Swap the forward of every qualifying module; ``{name: refusal}`` for the attention modules left alone."""
         root = vlm.language_model(self.base) or self.base
+        text_config = self.base.config.get_text_config()
         refused = {}
         for name, module in root.named_modules():
             if not all(isinstance(getattr(module, p, None), nn.Module) for p in _PROJECTIONS):
+                continue
+            if getattr(module, "config", None) is not text_config:  # a vision / audio tower's: not under SP
+                refused[name] = "not the text model's attention (its config is not the text config)"
                 continue
             reason = block_refusal(module)
             if reason is not None:
@@ -181,32 +183,35 @@ class HeadBlocks:
         while self.installed:
             self.installed.pop().swap.remove()
 
-    def num_blocks(self, entry: _Module, x_BsD: torch.Tensor) -> int:
-        """``G`` for one call: ``head_chunks`` or the byte target's choice, capped by ``most_blocks``."""
-        P = self.attention.a2a_size
-        most = entry.most_blocks(P)
-        G = min(self.head_chunks, most)
+    def blocks(self, entry: _Module, x_BsD: torch.Tensor) -> tuple[tuple[int, int], ...]:
+        """The blocks of one call (``comm.cost.head_block_ranges``): ``head_chunks`` of them, or more if the
+        byte target needs them."""
+        P, N, K = self.attention.a2a_size, entry.N, entry.K
+        ranges = head_block_ranges(N, K, P, self.head_chunks)
         if self.head_chunk_bytes is not None:
             B, s = x_BsD.shape[0], x_BsD.shape[1]
 
-            def live(G: int) -> int:
-                return max(chunk_live_bytes(HeadPlan((b - a) * (entry.N // entry.K), b - a, P), 1, B, s * P, entry.H,
-                                            entry.Hv, x_BsD.element_size()) for a, b in entry.blocks(G))
-            G = max(G, next((g for g in range(1, most + 1) if live(g) <= self.head_chunk_bytes), most))
-        return G
+            def live(blocks: tuple[tuple[int, int], ...]) -> int:
+                return max(chunk_live_bytes(HeadPlan((b - a) * (N // K), b - a, P), 1, B, s * P, entry.H, entry.Hv,
+                                            x_BsD.element_size()) for a, b in blocks)
+            for G in range(len(ranges), K + 1):
+                candidate = head_block_ranges(N, K, P, G)
+                if live(candidate) <= self.head_chunk_bytes or len(candidate) < G:
+                    return candidate  # fits, or the most blocks there are
+                ranges = candidate
+        return ranges
 
     def _forward(self, entry: _Module):
         def forward(*args: Any, **kwargs: Any) -> Any:
             x_BsD = args[0] if args else kwargs.pop("hidden_states")
             rest = args[1:]
-            G = self.num_blocks(entry, x_BsD) if x_BsD.dim() == 3 and self.attention.a2a_size > 1 else 1
-            if G < 2 or _needs_grad((rest, kwargs)):  # inputs besides x with grad: the plain forward is exact
+            ranges = self.blocks(entry, x_BsD) if x_BsD.dim() == 3 and self.attention.a2a_size > 1 else ((0, 0),)
+            if len(ranges) < 2 or _needs_grad((rest, kwargs)):  # inputs besides x with grad: the plain forward is exact
                 return entry.original(x_BsD, *rest, **kwargs)
-            ranges, extra = entry.blocks(G), []
+            extra: list = []
 
             def block(g: int, x: torch.Tensor, call: BlockCall) -> torch.Tensor:
-                with entry.sliced(ranges[g], g == 0, x, call.x_grad), (
-                        self.attention.stashing(call.stash) if call.stash is not None else contextlib.nullcontext()):
+                with entry.sliced(ranges[g], g == 0, x, call.x_grad), self.attention.stashing(call.stash):
                     out = entry.original(x, *rest, **kwargs)
                 if call.x_grad is None:  # forward: did the module return o_proj's output untouched?
                     entry.returns_o = out[0] is entry.o_out
@@ -215,6 +220,6 @@ class HeadBlocks:
                 return out[0]
 
             params = [p for p in entry.module.parameters() if p.requires_grad]
-            y_BsD = head_blocks(block, G, x_BsD, params)
+            y_BsD = head_blocks(block, len(ranges), x_BsD, params)
             return (y_BsD, *extra)
         return forward

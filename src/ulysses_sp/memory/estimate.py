@@ -40,6 +40,13 @@ sharded grads of q/k/v and of the output ``2NH + 2KH``, ``D``, and ONE chunk's f
 chunk's heads over the all-to-all group's ``A*s`` tokens) instead of all heads' exchange buffers;
 the kernel workspace shrinks by ``C``.
 
+Head blocks (``head_blocks``, ``G = len(head_block_ranges(N, K, A, C)) > 1``, ``memory.head_blocks``): the
+attention module saves its input and the sharded attention output only, so ``saved`` loses the
+q/k/v and the output's copy ``NH + 2KH + NH``; its backward holds the ``D`` input-gradient buffer,
+one block's recomputed sharded q/k/v, their grads and its output grad ``(3NH + 4KH) / G``, and the
+block's full-length tensors ``chunk_live_bytes(HeadPlan(N_g, K_g, A), 1, ...)`` (a block with fewer
+kv heads than ``A`` ranks sends each of them to several ranks, so they count per rank).
+
 Tiled MLP replaces the ``T`` of the MLP term by ``min(T, B * t)``. Without checkpointing every
 layer keeps its saved tensors (``L`` times the layer term, no recompute). MoE blocks: ``I`` is
 ``top_k * moe_intermediate`` (+ the shared expert's), an estimate not checked by measurement.
@@ -60,7 +67,7 @@ from typing import Any
 
 import torch
 
-from ulysses_sp.comm.cost import chunk_live_bytes
+from ulysses_sp.comm.cost import chunk_live_bytes, head_block_ranges
 from ulysses_sp.comm.layout import HeadPlan
 
 
@@ -116,6 +123,8 @@ class MemoryFeatures:
         offload_optimizer: optimizer states, fp32 master weights and gradients in host memory.
         offload_params: weight partitions in host memory (ZeRO-3 ``offload_param``).
         head_chunks: ``UlyssesSPConfig.sp_head_chunks`` (1 = unchunked attention; used when ``P > 1``).
+        head_blocks: ``UlyssesSPConfig.sp_head_blocks``: the chunks are head blocks (projections
+            included) where the model has at least two kv-group blocks (module docstring).
     """
 
     checkpointing: bool = True
@@ -127,6 +136,7 @@ class MemoryFeatures:
     offload_optimizer: bool = False
     offload_params: bool = False
     head_chunks: int = 1
+    head_blocks: bool = True
 
 
 @dataclasses.dataclass
@@ -228,8 +238,10 @@ def _layer_terms(
     """(one layer's backward bytes, checkpointed-inputs bytes) for ``T`` local tokens."""
     D, I, L, NH, KH = m.hidden, m.intermediate, m.layers, m.heads * m.head_dim, m.kv_heads * m.head_dim
     t_mlp = min(T, batch_size * features.tiled_mlp_tokens) if features.tiled_mlp_tokens else T
-    chunked = _chunked_attention_bytes(m, T, e, sp_size, batch_size, features)
-    saved = (4 * D + 3 * NH + 2 * KH - (NH if chunked is not None else 0)) * T * e
+    blocks = _head_block_bytes(m, T, e, sp_size, batch_size, features)
+    chunked = blocks or _chunked_attention_bytes(m, T, e, sp_size, batch_size, features)
+    not_saved = (2 * NH + 2 * KH) if blocks is not None else NH if chunked is not None else 0
+    saved = (4 * D + 3 * NH + 2 * KH - not_saved) * T * e
     mlp_live = (6 * I * t_mlp + 2 * D * T) * e
     if chunked is not None:
         attn_live = chunked
@@ -242,13 +254,38 @@ def _layer_terms(
     return layer, ckpt
 
 
+def _a2a_size(m: ModelDims, sp_size: int) -> int:
+    """The all-to-all degree: ``sp_size`` over the smallest ring the head count needs."""
+    return sp_size // next(r for r in range(1, sp_size + 1) if sp_size % r == 0 and sp_size // r <= m.heads)
+
+
+def _head_block_bytes(m: ModelDims, T: int, e: int, sp_size: int, batch_size: int,
+                      features: MemoryFeatures) -> int | None:
+    """The head blocks' backward bytes (module docstring), or None without blocks."""
+    if features.head_chunks <= 1 or sp_size == 1 or not features.head_blocks:
+        return None
+    A = _a2a_size(m, sp_size)
+    if A != sp_size:  # Ulysses x ring: no head blocks
+        return None
+    blocks = head_block_ranges(m.heads, m.kv_heads, A, features.head_chunks)
+    if len(blocks) < 2:
+        return None
+    NH, KH, H, G = m.heads * m.head_dim, m.kv_heads * m.head_dim, m.head_dim, len(blocks)
+    group = m.heads // m.kv_heads
+    live = max(chunk_live_bytes(HeadPlan((b - a) * group, b - a, A), 1, batch_size, A * (T // batch_size), H, H, e)
+               for a, b in blocks)
+    if features.kernel_workspace:
+        live += (4 * NH + (2 * NH * e if KH < NH else 0)) * T // G
+    return (m.hidden + (3 * NH + 4 * KH) // G) * T * e + live
+
+
 def _chunked_attention_bytes(
     m: ModelDims, T: int, e: int, sp_size: int, batch_size: int, features: MemoryFeatures
 ) -> int | None:
     """The head-chunked attention's backward bytes (module docstring), or None when unchunked."""
     if features.head_chunks <= 1 or sp_size == 1:
         return None
-    A = sp_size // next(r for r in range(1, sp_size + 1) if sp_size % r == 0 and sp_size // r <= m.heads)
+    A = _a2a_size(m, sp_size)
     plan = HeadPlan(m.heads, m.kv_heads, A)
     C = plan.num_chunks(features.head_chunks)
     if C == 1:

@@ -17,8 +17,8 @@ if TYPE_CHECKING:
     from ulysses_sp.cli.check.engine import CheckReport
 
 
-CONFIG_FLAGS = ("sp_size", "sp_ring_size", "sp_head_chunks", "sp_head_chunk_mib", "tiled_loss_tokens",
-                "tiled_mlp_tokens", "offload_activations")
+CONFIG_FLAGS = ("sp_size", "sp_ring_size", "sp_head_chunks", "sp_head_chunk_mib", "sp_head_blocks",
+                "tiled_loss_tokens", "tiled_mlp_tokens", "offload_activations")
 """The ``UlyssesSPConfig`` fields the SP run takes from the command line (flags made from the config, as
 ``train``'s; the backend is ``ulysses``, the kernel ``--attn-implementation``, in both runs)."""
 
@@ -67,7 +67,9 @@ def format_report(report: CheckReport) -> str:
         f"time: reference {report.ref_seconds:.1f} s, SP {report.sp_seconds:.1f} s (with process start)",
         *([f"  SP memory features: tiled loss {o.tiled_loss_tokens or 'off'}, tiled MLP {o.tiled_mlp_tokens or 'off'}"
            f" (tokens per tile), head chunks {o.sp_head_chunks}"
-           f"{f' (or {o.sp_head_chunk_mib:g} MiB a chunk)' if o.sp_head_chunk_mib else ''}, activation checkpointing "
+           f"{f' (or {o.sp_head_chunk_mib:g} MiB a chunk)' if o.sp_head_chunk_mib else ''}"
+           f"{' (head blocks where the module allows)' if o.sp_head_blocks else ' (attention calls)'}, "
+           f"activation checkpointing "
            f"{'on (train mode, dropout 0 in both runs)' if o.gradient_checkpointing else 'off'}"
            f"{', offloaded' if o.offload_activations else ''}"]
           if o.tiled_loss_tokens or o.tiled_mlp_tokens or o.sp_head_chunks > 1 or o.sp_head_chunk_mib

@@ -41,6 +41,7 @@ class CheckOptions:
     tiled_mlp_tokens: int | None = None  # the SP run with tiled MLPs
     sp_head_chunks: int = 1  # the SP run's local heads in this many chunks (UlyssesSPConfig's field)
     sp_head_chunk_mib: float | None = None  # or as many chunks as this per-chunk MiB target needs
+    sp_head_blocks: bool = True  # chunks of the whole attention block where the module allows it
     # the SP run with activation checkpointing (both runs in train mode, every dropout probability of
     # the config set to 0 so that train mode is deterministic); offload: its layer inputs on the CPU
     gradient_checkpointing: bool = False

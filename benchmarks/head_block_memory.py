@@ -1,0 +1,133 @@
+"""Peak memory of one attention module (projections + attention + o_proj), forward + backward, per head-chunk mode.
+
+A one-layer Llama built in code (random init, fp32, SDPA; default D = N*H = 256, N = 8 query heads of
+32, K kv heads) under ``UlyssesSP`` on P gloo processes; only its ``self_attn`` runs, on this rank's
+shard ``x (B, s, D)`` (a leaf that needs its gradient), its output held through the backward (as the
+residual add after it does in a model), ``backward(dy)`` with a ``dy`` made beforehand:
+
+    unchunked        sp_head_chunks=1
+    calls C=2, 4     sp_head_chunks=C, sp_head_blocks=False: the attention call chunked
+                     (``comm.head_chunked``; the sharded q/k/v are saved)
+    blocks C=2, 4    sp_head_chunks=C (head blocks, the default): the whole module one block of heads
+                     at a time (``memory.head_blocks``)
+
+Peak per rank = ``VmHWM - VmRSS`` around one forward + backward, glibc serving allocations >= 64 KiB
+by mmap (so the RSS follows the live tensors), the least of 3 passes after a warm-up, max over ranks.
+
+The goal of issue 23 in these terms: the module's sharded tensors every mode holds (its output, the
+input's gradient, and the attention output ``o_proj`` reads: ``3 * B*s*D*4`` bytes) plus at most
+``1/C`` of the unchunked module's remaining ("full-length") share.
+
+    .venv/bin/python benchmarks/head_block_memory.py --seq-lens 8192 16384 --sp-sizes 2 4 --kv-heads 8 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import sys
+import tempfile
+
+import torch
+
+MODES = (("unchunked", 1, True), ("calls C=2", 2, False), ("calls C=4", 4, False), ("blocks C=2", 2, True),
+         ("blocks C=4", 4, True))
+REPEATS = 3
+
+
+def _rss(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(field)
+
+
+def _worker(rank: int, world: int, args, S: int, K: int, out_path: str) -> None:
+    import transformers
+
+    from ulysses_sp import SPMesh, UlyssesSP, UlyssesSPConfig
+
+    torch.set_num_threads(1)
+    ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD: freed tensors leave the RSS at once
+    mesh = SPMesh.from_world(world)
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=args.heads * args.head_dim, intermediate_size=64,
+                                      num_hidden_layers=1, num_attention_heads=args.heads, num_key_value_heads=K,
+                                      head_dim=args.head_dim, max_position_embeddings=S, use_cache=False)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    attention = model.model.layers[0].self_attn
+    gen = torch.Generator().manual_seed(rank)
+    s, D = S // world, config.hidden_size
+    x = torch.randn(1, s, D, generator=gen).requires_grad_()
+    dy = torch.randn(1, s, D, generator=gen)
+    peaks = {}
+    for name, chunks, blocks in MODES:
+        sp_config = UlyssesSPConfig(sp_size=world, sp_head_chunks=chunks, sp_head_blocks=blocks)
+        with UlyssesSP(model, mesh, sp_config) as sp:
+            inputs = sp.model_inputs(sp.shard({"input_ids": torch.zeros(1, S, dtype=torch.long)}))
+            position_embeddings = model.model.rotary_emb(x, inputs["position_ids"])
+
+            def step() -> None:
+                y, _ = attention(hidden_states=x, position_embeddings=position_embeddings, attention_mask=None,
+                                 ulysses_mask=inputs["ulysses_mask"])
+                y.backward(dy)  # y held through the backward
+                del y
+
+            step()  # warm-up: first-call checks, thread pools, collective buffers
+            measured = []
+            for _ in range(REPEATS):
+                x.grad = None
+                model.zero_grad(set_to_none=True)
+                with open("/proc/self/clear_refs", "w") as f:
+                    f.write("5")  # VmHWM := VmRSS
+                base = _rss("VmRSS")
+                step()
+                measured.append(_rss("VmHWM") - base)
+            peaks[name] = min(measured)
+    table = [None] * world
+    torch.distributed.all_gather_object(table, peaks, group=mesh.sp_group)
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump({name: max(p[name] for p in table) for name, _, _ in MODES}, f)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ulysses_sp import spawn
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--seq-lens", type=int, nargs="+", default=[8192, 16384])
+    parser.add_argument("--sp-sizes", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--kv-heads", type=int, nargs="+", default=[8, 4])
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=32)
+    args = parser.parse_args(argv)
+    print(f"load average at start: {os.getloadavg()}; torch {torch.__version__}", flush=True)
+    header = "| K | P | S | " + " | ".join(name for name, _, _ in MODES) + " | goal C=2 / C=4 | blocks C=4 / goal |"
+    rows = [header, "|" + "---|" * (len(MODES) + 5)]
+    for K in args.kv_heads:
+        for P in args.sp_sizes:
+            for S in args.seq_lens:
+                with tempfile.TemporaryDirectory() as tmp:
+                    out = os.path.join(tmp, "peaks.json")
+                    spawn(_worker, P, args, S, K, out)
+                    with open(out) as f:
+                        peaks = json.load(f)
+                mib = {name: peaks[name] / 2**20 for name, _, _ in MODES}
+                sharded = 3 * (S // P) * args.heads * args.head_dim * 4 / 2**20
+                share = mib["unchunked"] - sharded
+                goal = {C: sharded + share / C for C in (2, 4)}
+                cells = " | ".join(f"{mib[name]:.1f}" for name, _, _ in MODES)
+                row = (f"| {K} | {P} | {S} | {cells} | {goal[2]:.1f} / {goal[4]:.1f} | "
+                       f"{mib['blocks C=4'] / goal[4]:.2f} |")
+                rows.append(row)
+                print(row, flush=True)
+    print("\nMiB per rank (max over ranks, least of 3 passes)\n" + "\n".join(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+    sys.exit(main())
