@@ -79,9 +79,9 @@ def test_bench_deepspeed_same_loss_and_its_collectives(tmp_path):
 
 def test_bench_chunked_system_recompute_bytes_collectives_and_paired_one_process(tmp_path):
     """Bug caught: ``--systems ulysses_chunked`` not reaching UlyssesSPConfig(sp_head_chunks) (it would
-    issue 2 collectives per layer), chunking that changes the forward bytes or the loss, a backward
-    that does not re-send exactly one q|k|v exchange for its recompute, a formula that does not
-    know the chunked count, paired runs that lose the one-process steps they are
+    issue 2 collectives per layer), head blocks that send other bytes than their formula or change the
+    loss, a backward that does not re-send exactly one q|k|v exchange per block, a formula that does not
+    know the blocks, paired runs that lose the one-process steps they are
     compared with (the 'one process / system' ratio on equal cores), and --attention-memory not
     measuring both the unchunked and the chunked layer."""
     out = tmp_path / "bench.json"
@@ -94,15 +94,18 @@ def test_bench_chunked_system_recompute_bytes_collectives_and_paired_one_process
     memory = [r for r in all_records if r.get("mode") == "attention_memory"]
     assert sorted(r["head_chunks"] for r in memory) == [1, 2] and all(r["peak_attention_bytes"] >= 0 for r in memory)
     ours, chunked = records["ulysses"], records["ulysses_chunked"]
-    # N=4 heads on P=2 ranks: 2 local heads, --sp-head-chunks 2 (default) gives C=2 -> 2C = 4 forward,
-    # 4C = 8 backward (q|k|v, output, output grad, q|k|v grads per chunk)
+    # N=4 query / K=2 kv heads on P=2 ranks, --sp-head-chunks 2 (default): head blocks of 1 kv and 2 query
+    # heads, G=2 -> 2G = 4 forward, 4G = 8 backward (q|k|v, output, output grad, q|k|v grads per block)
     assert chunked["head_chunks"] == 2
     assert chunked["collectives_per_layer"] == 4 and chunked["collectives_per_layer_backward"] == 8
     assert chunked["formula_collectives_per_layer"] == 4
     assert ours["bytes_sent_per_rank"] == ULYSSES_BYTES_PER_LAYER
-    assert chunked["bytes_sent_per_rank_forward"] == ours["bytes_sent_per_rank_forward"] == ULYSSES_BYTES_PER_LAYER // 2
-    # the backward re-sends the forward's q|k|v (512 elements of fp32 to rank 1) and output (256)
-    assert chunked["bytes_sent_per_rank"] == ULYSSES_BYTES_PER_LAYER + (512 + 256) * 4
+    # s=16 tokens of H=8, fp32: unchunked forward q 2 heads + k, v 1 head + output 2 heads = 6 x 16 x 8 x 4;
+    # a block sends 1 query head, its kv head (read by both ranks: K < P inside the block) and 1 output head,
+    # 4 x 16 x 8 x 4 per block; its backward sends its output grad and q|k|v grads, and q|k|v and output again
+    assert ours["bytes_sent_per_rank_forward"] == ULYSSES_BYTES_PER_LAYER // 2 == 6 * 16 * 8 * 4
+    assert chunked["bytes_sent_per_rank_forward"] == 2 * 4 * 16 * 8 * 4
+    assert chunked["bytes_sent_per_rank"] == 2 * (4 + 8) * 16 * 8 * 4
     assert chunked["formula_bytes_sent_per_rank"] == chunked["bytes_sent_per_rank"]
     # fp32, same weights and batch; only summation order differs: 1e-5 relative
     assert chunked["loss"] == pytest.approx(records["single"]["loss"], rel=1e-5)

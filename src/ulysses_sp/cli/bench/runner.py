@@ -60,7 +60,8 @@ class Job:
         return 1 if self.system == "single" else self.sp_size
 
     def comm_model(self, rank: int = 0):
-        """``attention_comm`` of this job (``ulysses_chunked`` is ``ulysses`` with head chunks)."""
+        """``attention_comm`` of this job (``ulysses_chunked`` is ``ulysses`` with head chunks, as head blocks:
+        the bench's Llama qualifies)."""
         spec, chunked = self.spec, self.system == "ulysses_chunked"
         itemsize = torch.empty(0, dtype=getattr(torch, self.dtype)).element_size()
         ring = (self.ring_size if self.system == "ulysses_ring"
@@ -70,7 +71,7 @@ class Job:
                                   spec.num_key_value_heads, spec.head_dim, itemsize, rank, ring_size=ring)
         return attention_comm("ulysses" if chunked else self.system, self.sp_size, self.batch_size, self.seq_len,
                               spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim, itemsize, rank,
-                              head_chunks=self.head_chunks if chunked else 1)
+                              head_chunks=self.head_chunks if chunked else 1, head_blocks=chunked)
 
 
 def _rss_bytes(field_name: str) -> int:
