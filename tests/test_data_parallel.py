@@ -84,13 +84,16 @@ def check(where: str, loss: torch.Tensor, grads: dict[str, torch.Tensor], ref_lo
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5, msg=lambda m: f"{where} loss: {m}")
 
 
-def _ddp_case(mesh: SPMesh, ref_loss, ref_grads) -> None:
+BLOCKS = UlyssesSPConfig(sp_size=SP_SIZE, sp_head_chunks=2)  # llama N=8 K=2 at P=2: two head blocks
+
+
+def _ddp_case(mesh: SPMesh, ref_loss, ref_grads, config: UlyssesSPConfig | None = None) -> None:
     model = tiny_model("llama", seed=0)
-    with UlyssesSP(model, mesh) as sp:  # registered on the inner model, before wrapping
+    with UlyssesSP(model, mesh, config) as sp:  # registered on the inner model, before wrapping
         ddp = DistributedDataParallel(model)  # CPU, default process group = the whole world
         logged = sp_step(ddp, sp, mesh)
     grads = {name: p.grad for name, p in ddp.module.named_parameters()}
-    check(f"DDP rank {dist.get_rank()}", logged, grads, ref_loss, ref_grads)
+    check(f"DDP rank {dist.get_rank()} {config}", logged, grads, ref_loss, ref_grads)
 
 
 def _ddp_tiled_case(mesh: SPMesh, ref_loss, ref_grads) -> None:
@@ -103,19 +106,19 @@ def _ddp_tiled_case(mesh: SPMesh, ref_loss, ref_grads) -> None:
     check(f"DDP tiled rank {dist.get_rank()}", logged, grads, ref_loss, ref_grads)
 
 
-def _fsdp2_case(mesh: SPMesh, ref_loss, ref_grads) -> None:
+def _fsdp2_case(mesh: SPMesh, ref_loss, ref_grads, config: UlyssesSPConfig | None = None) -> None:
     model = tiny_model("llama", seed=0)
     world_mesh = init_device_mesh("cpu", (WORLD,))  # 1-D: shard params / reduce grads over all ranks
     for layer in model.model.layers:
         fully_shard(layer, mesh=world_mesh)
     fully_shard(model, mesh=world_mesh)
-    with UlyssesSP(model, mesh) as sp:  # found through the FSDP-wrapped class
+    with UlyssesSP(model, mesh, config) as sp:  # found through the FSDP-wrapped class
         logged = sp_step(model, sp, mesh)
     grads = {}
     for name, p in model.named_parameters():
         assert isinstance(p.grad, DTensor), f"{name}: FSDP2 left a plain tensor grad"
         grads[name] = p.grad.full_tensor()
-    check(f"FSDP2 rank {dist.get_rank()}", logged, grads, ref_loss, ref_grads)
+    check(f"FSDP2 rank {dist.get_rank()} {config}", logged, grads, ref_loss, ref_grads)
 
 
 def _worker(rank: int, world: int, cases: tuple[str, ...]) -> None:
@@ -123,7 +126,9 @@ def _worker(rank: int, world: int, cases: tuple[str, ...]) -> None:
     assert (mesh.dp_size, mesh.sp_size) == (2, 2)
     ref_loss, ref_grads = reference()
     for case in cases:
-        {"ddp": _ddp_case, "ddp_tiled": _ddp_tiled_case, "fsdp2": _fsdp2_case}[case](mesh, ref_loss, ref_grads)
+        {"ddp": _ddp_case, "ddp_tiled": _ddp_tiled_case, "fsdp2": _fsdp2_case,
+         "ddp_blocks": lambda *a: _ddp_case(*a, BLOCKS),
+         "fsdp2_blocks": lambda *a: _fsdp2_case(*a, BLOCKS)}[case](mesh, ref_loss, ref_grads)
 
 
 def test_ddp_and_fsdp2_gradients_match_one_process_on_the_global_batch() -> None:
@@ -131,6 +136,7 @@ def test_ddp_and_fsdp2_gradients_match_one_process_on_the_global_batch() -> None
     (a wrong ``grad_average_world`` default, e.g. dp instead of dp * sp), tokens counted per replica
     or per SP group instead of over the whole step (replicas with different token counts then get
     wrong weights), a replica's micro-batch dropped or duplicated, UlyssesSP failing to find the
-    model inside DDP / FSDP2 or its collectives interleaving badly with theirs, and a logged loss
-    that is a per-rank share instead of the global token mean."""
-    spawn(_worker, WORLD, ("ddp", "ddp_tiled", "fsdp2"))
+    model inside DDP / FSDP2 or its collectives interleaving badly with theirs, a logged loss
+    that is a per-rank share instead of the global token mean, and head blocks whose summed
+    parameter grads miss DDP's hooks or FSDP2's unsharded parameters."""
+    spawn(_worker, WORLD, ("ddp", "ddp_tiled", "fsdp2", "ddp_blocks", "fsdp2_blocks"))

@@ -206,7 +206,10 @@ class HeadBlocks:
             x_BsD = args[0] if args else kwargs.pop("hidden_states")
             rest = args[1:]
             ranges = self.blocks(entry, x_BsD) if x_BsD.dim() == 3 and self.attention.a2a_size > 1 else ((0, 0),)
-            if len(ranges) < 2 or _needs_grad((rest, kwargs)):  # inputs besides x with grad: the plain forward is exact
+            params = [p for p in entry.module.parameters() if p.requires_grad]
+            # inputs besides x with grad, or ZeRO-3 partitioned weights (wrapped after registration): the plain
+            # forward (attention-call chunks) is exact
+            if len(ranges) < 2 or _needs_grad((rest, kwargs)) or any(hasattr(p, "ds_id") for p in params):
                 return entry.original(x_BsD, *rest, **kwargs)
             extra: list = []
 
@@ -219,7 +222,6 @@ class HeadBlocks:
                 extra[:] = out[1:]
                 return out[0]
 
-            params = [p for p in entry.module.parameters() if p.requires_grad]
             y_BsD = head_blocks(block, len(ranges), x_BsD, params)
             return (y_BsD, *extra)
         return forward
