@@ -44,7 +44,8 @@ def test_check_with_memory_features_matches_and_refuses_bad_tile_sizes(llama_dir
     out = capsys.readouterr().out
     assert code == 0, out
     assert "RESULT: MATCH" in out and "SP memory features: tiled loss 5, tiled MLP 3 (tokens per tile)" in out
-    assert "head chunks 2, activation checkpointing on" in out and "offloaded" in out
+    assert "head chunks 2 (head blocks where the module allows), activation checkpointing on" in out
+    assert "offloaded" in out
     assert main(["check", str(llama_dir), "--sp-size", "2", "--tiled-mlp-tokens", "0"]) == 2
     assert "--tiled-mlp-tokens must be >= 1, got 0" in capsys.readouterr().err
     assert main(["check", str(llama_dir), "--sp-size", "2", "--offload-activations"]) == 2
@@ -199,10 +200,12 @@ def test_check_flags_come_from_the_config():
     add_arguments(parser)
     actions = {a.dest: a for a in parser._actions}
     fields = {f.name: f for f in dataclasses.fields(UlyssesSPConfig)}
-    assert len(CONFIG_FLAGS) == 7  # the six of issue 26 + sp_head_chunk_mib
+    assert len(CONFIG_FLAGS) == 8  # the six of issue 26 + sp_head_chunk_mib + sp_head_blocks
     for name in CONFIG_FLAGS:
         action, field = actions[name], fields[name]
-        assert action.option_strings == ["--" + name.replace("_", "-")]
+        flag = "--" + name.replace("_", "-")
+        # a bool that defaults to True gets its --no- form too
+        assert action.option_strings == ([flag, "--no-" + flag[2:]] if field.default is True else [flag])
         assert action.help.startswith(field.metadata["help"]), name
         assert action.required or action.default == field.default, name
     assert actions["sp_size"].required

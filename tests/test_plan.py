@@ -85,7 +85,9 @@ def _features(rung: str, offload_optimizer: bool) -> MemoryFeatures:
     tiles = {"+ tiled loss": dict(tiled_loss_tokens=1024),
              "+ tiled MLP": dict(tiled_loss_tokens=1024, tiled_mlp_tokens=4096),
              "+ offload": dict(tiled_loss_tokens=1024, tiled_mlp_tokens=4096, offload=True),
-             "+ head chunks": dict(tiled_loss_tokens=1024, tiled_mlp_tokens=4096, offload=True, head_chunks=1 << 16),
+             "+ head chunks": dict(tiled_loss_tokens=1024, tiled_mlp_tokens=4096, offload=True, head_chunks=1 << 16,
+                                   head_blocks=False),
+             "+ head blocks": dict(tiled_loss_tokens=1024, tiled_mlp_tokens=4096, offload=True, head_chunks=1 << 16),
              }.get(rung, {})
     return MemoryFeatures(kernel_workspace=True, offload_optimizer=offload_optimizer, **tiles)
 
@@ -115,13 +117,13 @@ def test_json_record_says_what_the_estimator_says_and_checks_host_memory(capsys)
         longest = rung["longest_seq_len"]
         assert longest > 0 and ok(longest, features) and not ok(longest + 64 * 8, features), rung
     rungs = {r["features"]: r for r in record["rungs"]}
-    assert list(rungs)[-2:] == ["+ offload", "+ head chunks"]  # P > 1: the chunked rung last
+    assert list(rungs)[-3:] == ["+ offload", "+ head chunks", "+ head blocks"]  # P > 1: the chunked rungs last
     offload = rungs["+ offload"]
     assert offload["required_bytes"] <= 80 * GIB and offload["host_bytes"] > host_gib * GIB  # only the host is short
     _, unchecked = plan_json(capsys, *LLAMA_8B, "--seq-len", "3500000", "--sp-size", "8", "--state-shards", "8",
                                 "--budget-gib", "80", "--offload-optimizer", "--peak-scale", str(scale),
                                 "--reserve-gib", str(reserve))
-    assert unchecked["rungs"][-2]["longest_seq_len"] > offload["longest_seq_len"]  # the host cap binds
+    assert unchecked["rungs"][-3]["longest_seq_len"] > offload["longest_seq_len"]  # the host cap binds
 
 
 @pytest.mark.parametrize("gpus,flags,host_gib,published", ALST, ids=["1 GPU", "8 GPUs", "32 GPUs"])
@@ -141,10 +143,11 @@ def test_alst_configurations_within_15_percent_and_in_the_docs_table(gpus, flags
     assert row and f"{predicted:,}" in row.group(0), f"docs/memory.md row for {gpus} GPUs should show {predicted:,}"
 
 
-def test_head_chunks_rung_predicts_past_alst_where_ranks_hold_several_heads_and_is_in_the_docs(capsys):
-    """Bug caught: the planner not knowing the head-chunked layout (its rung equal to the offload rung
-    at 8 GPUs, where each rank holds 4 query heads), or inventing a gain where a rank holds one head
-    (32 GPUs: nothing to chunk), or docs/memory.md's chunked prediction drifting from the planner."""
+def test_head_chunk_and_block_rungs_predict_past_alst_where_ranks_hold_several_heads_and_are_in_the_docs(capsys):
+    """Bug caught: the planner not knowing the head-chunked or head-block layout (a rung equal to the
+    offload rung at 8 GPUs, where each rank holds 4 query heads; blocks not below attention-call
+    chunks), or inventing a gain where a rank holds one head (32 GPUs: nothing to chunk), or
+    docs/memory.md's predictions drifting from the planner."""
     common = [*LLAMA_8B, "--seq-len", "3700000", "--budget-gib", "80", "--offload-optimizer", "--host-gib", "221"]
     docs = (Path(__file__).parents[1] / "docs" / "memory.md").read_text()
     for gpus in (8, 32):
@@ -152,9 +155,11 @@ def test_head_chunks_rung_predicts_past_alst_where_ranks_hold_several_heads_and_
         rungs = {r["features"]: r["longest_seq_len"] for r in record["rungs"]}
         if gpus == 8:
             assert rungs["+ head chunks"] > 1.2 * rungs["+ offload"], rungs
+            assert rungs["+ head blocks"] >= 5_000_000 > rungs["+ head chunks"], rungs  # issue 23: past UPipe's 5M
             row = re.search(r"^\| Llama-8B, 8 x H100 \| ALST 3.7M.*$", docs, flags=re.MULTILINE)
-            assert row and f"{rungs['+ head chunks']:,} (prediction)" in row.group(0)
+            assert row and f"{rungs['+ head chunks']:,} |" in row.group(0)
+            assert f"{rungs['+ head blocks']:,}** (prediction)" in row.group(0)
         else:
-            assert rungs["+ head chunks"] == rungs["+ offload"], rungs
+            assert rungs["+ head chunks"] == rungs["+ head blocks"] == rungs["+ offload"], rungs
     _, single = plan_json(capsys, *common, "--sp-size", "1", "--state-shards", "1")
-    assert "+ head chunks" not in {r["features"] for r in single["rungs"]}  # no SP, no rung
+    assert not {"+ head chunks", "+ head blocks"} & {r["features"] for r in single["rungs"]}  # no SP, no rung

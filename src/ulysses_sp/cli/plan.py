@@ -6,8 +6,8 @@
     ulysses-sp plan --model ./my_model_dir --seq-len 32768 --sp-size 2 --budget-gib 24 --dtype bfloat16
 
 Prints, for each feature set of the ladder (checkpointing -> + tiled loss -> + tiled MLP ->
-+ offload -> + head chunks when P > 1: ``sp_head_chunks``, attention's full-length tensors one
-chunk of heads at a time), the predicted peak of one step (activations + grads), the static memory (weights,
++ offload -> + head chunks -> + head blocks when P > 1: ``sp_head_chunks`` with ``sp_head_blocks``
+False / True, the attention call / the whole attention module one chunk of heads at a time), the predicted peak of one step (activations + grads), the static memory (weights,
 optimizer states), the device bytes to budget, the host bytes per rank (offloaded activations,
 optimizer, weights), whether it fits, and the longest sequence that fits; then recommends the
 first (cheapest) feature set that fits. ``--json`` prints the same as one JSON record.
