@@ -7,7 +7,8 @@
 
 Prints, for each feature set of the ladder (checkpointing -> + tiled loss -> + tiled MLP ->
 + offload -> + head chunks -> + head blocks when P > 1: ``sp_head_chunks`` with ``sp_head_blocks``
-False / True, the attention call / the whole attention module one chunk of heads at a time), the predicted peak of one step (activations + grads), the static memory (weights,
+False / True, the attention call / the whole attention module one chunk of heads at a time), the
+predicted peak of one step (activations + grads), the static memory (weights,
 optimizer states), the device bytes to budget, the host bytes per rank (offloaded activations,
 optimizer, weights), whether it fits, and the longest sequence that fits; then recommends the
 first (cheapest) feature set that fits. ``--json`` prints the same as one JSON record.
