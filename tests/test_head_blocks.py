@@ -153,6 +153,22 @@ def _worker_fallbacks(rank, world):
         scale = grad.abs().max().clamp_min(1e-8)
         torch.testing.assert_close(got[1][name] / scale, grad / scale, rtol=0, atol=1e-5)
     assert len(ref[2].calls["forward"]) == len(got[2].calls["forward"])
+    # a byte target below any block's size: as many blocks as there are (2 for N=8, K=2), 4 collectives per layer
+    bytes_config = UlyssesSPConfig(sp_size=world, sp_head_chunk_mib=1e-6)
+    model = tiny_model("llama")
+    with UlyssesSP(model, mesh, bytes_config) as sp, Counter() as counter:
+        shard = sp.shard(tiny_batch("plain"))
+        sp.forward_loss(model, shard, global_num_items(shard["shift_labels"], mesh.sp_group))
+        # eval (no grad): the blocks run one after the other, logits as the unchunked model's
+        model.eval()
+        with torch.no_grad():
+            logits = model(**sp.model_inputs(shard)).logits
+    assert len(counter.calls["forward"]) == 2 * 2 * model.config.num_hidden_layers * 2  # train + eval passes
+    with UlyssesSP(model, mesh, UlyssesSPConfig(sp_size=world)) as sp, torch.no_grad():
+        plain = model(**sp.model_inputs(sp.shard(tiny_batch("plain")))).logits
+    # o_proj partial sums per block: fp32 reordering through two layers, of logits up to ~10 (eps 1e-6 there);
+    # a wrong block or head is O(1)
+    torch.testing.assert_close(logits, plain, rtol=1e-5, atol=1e-5)
     # a module whose forward changes o_proj's output after it (here x2) is recomputed with o_proj's values
     model = tiny_model("llama")
     for layer in model.model.layers:
@@ -173,8 +189,9 @@ def _worker_fallbacks(rank, world):
 
 
 def test_head_blocks_equal_attention_call_chunks_and_respect_what_the_module_does_after_o_proj():
-    """Bug caught: head blocks disagreeing with attention-call chunking, or the recompute's graph-only
-    o_proj used for a module that reads o_proj's output (its gradient would be computed from zeros)."""
+    """Bug caught: head blocks disagreeing with attention-call chunking, the recompute's graph-only
+    o_proj used for a module that reads o_proj's output (its gradient would be computed from zeros),
+    a byte target not choosing the blocks, and eval (no grad) under blocks differing from unchunked."""
     spawn(_worker_fallbacks, 2)
 
 

@@ -37,10 +37,10 @@ def group_signature(
             total = torch.cat(samples).sum() if samples else torch.zeros((), dtype=torch.float64)
         checksum = int(total.reshape(1).cpu().view(torch.int64).item())
     values = {
-        "UlyssesSPConfig (sp_backend, sp_head_chunks, sp_head_chunk_mib as bytes, sp_ring_size, tiled_mlp_tokens, "
-        "tiled_loss_tokens)":
-            [zlib.crc32(c.sp_backend.encode()), c.sp_head_chunks, c.head_chunk_bytes or 0, ring_size,
-             c.tiled_mlp_tokens or 0, c.tiled_loss_tokens or 0],
+        "UlyssesSPConfig (sp_backend, sp_head_chunks, sp_head_chunk_mib as bytes, sp_head_blocks, sp_ring_size, "
+        "tiled_mlp_tokens, tiled_loss_tokens)":
+            [zlib.crc32(c.sp_backend.encode()), c.sp_head_chunks, c.head_chunk_bytes or 0, int(c.sp_head_blocks),
+             ring_size, c.tiled_mlp_tokens or 0, c.tiled_loss_tokens or 0],
         "attention kernel": [zlib.crc32(kernel.encode())],
         "model shape (parameters, layers, heads, kv heads)":
             [sum(p.numel() for p in params), int(getattr(text, "num_hidden_layers", 0) or 0),
