@@ -28,6 +28,10 @@ graph is kept without its full-length q/k/v/o, which the backward exchanges agai
 gradients exist for one chunk of heads at a time, forward and backward, also under activation
 checkpointing. 2C collectives forward, 4C backward. ``head_chunk_bytes`` picks
 C instead from a byte target for one chunk's full-length tensors (``chunk_live_bytes``).
+
+Inside :meth:`UlyssesAttention.stashing` (head blocks, ``memory.head_blocks``: the caller runs the
+whole attention module one block of heads at a time) each call is one chunk of the heads it is
+given, whose forward results the caller's recompute replays.
 """
 
 from __future__ import annotations
