@@ -195,6 +195,43 @@ def test_head_blocks_equal_attention_call_chunks_and_respect_what_the_module_doe
     spawn(_worker_fallbacks, 2)
 
 
+def _worker_dropout(rank, world):
+    """Attention dropout 0.5 in train mode, one attention module as head blocks: for fixed dropout masks the
+    module's output is linear in v_proj's weight (Llama: no bias), so sum over ranks of <y, g> must equal
+    sum over ranks of <dL/dW_v, W_v> for L = <y, g>, exactly when the backward replays the forward's masks."""
+    mesh = SPMesh.from_world(world)
+    model = tiny_model("llama")
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.5
+    model.train()
+    attention = model.model.layers[0].self_attn
+    config = UlyssesSPConfig(sp_size=world, sp_head_chunks=2, sp_attn_implementation="eager")
+    with UlyssesSP(model, mesh, config) as sp:
+        inputs = sp.model_inputs(sp.shard(tiny_batch("plain")))
+        gen = torch.Generator().manual_seed(rank)
+        x = torch.randn(*inputs["input_ids"].shape, model.config.hidden_size, generator=gen).requires_grad_()
+        g = torch.randn(x.shape, generator=gen)
+        position_embeddings = model.model.rotary_emb(x, inputs["position_ids"])
+        with Counter() as counter:
+            y, _ = attention(hidden_states=x, position_embeddings=position_embeddings, attention_mask=None,
+                             ulysses_mask=inputs["ulysses_mask"])
+            counter.phase = "backward"
+            y.backward(g)
+    assert len(counter.calls["forward"]) == 4 and len(counter.calls["backward"]) == 8  # 2 blocks ran
+    weight = attention.v_proj.weight
+    both = torch.stack([(y.detach() * g).sum(), (weight.grad * weight.detach()).sum()]).double()
+    dist.all_reduce(both, group=mesh.sp_group)
+    # fp32 sums of a few thousand O(1) products, each side in another order: ~1e-6 relative; another dropout
+    # mask in the backward changes the right side by O(1) relative (half the probabilities differ)
+    torch.testing.assert_close(both[1], both[0], rtol=1e-5, atol=1e-5)
+
+
+def test_head_blocks_replay_dropout_masks():
+    """Bug caught: a block's recompute (projections run again, the attention recomputed where the kernel
+    saved a dropout mask) drawing other masks than its forward: gradients of another function."""
+    spawn(_worker_dropout, 2)
+
+
 def test_linear_into_and_graph_only_have_linear_gradients():
     """Bug caught: the in-place x-gradient accumulation or the graph-only linear computing another
     gradient than F.linear (transposed weight, missing bias, wrong dtype), or x getting it twice."""
