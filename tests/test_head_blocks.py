@@ -267,13 +267,22 @@ def _attention(config_cls, **kw):
 
 def test_which_attention_modules_run_as_head_blocks():
     """Bug caught: a module whose heads are not separable (a norm over all heads, sinks, a LoRA or fused
-    projection, a gate projection) run as head blocks (silently wrong), or a plain one refused."""
+    projection, a gate projection, a gated q projection of unknown row layout outside transformers) run as head
+    blocks (silently wrong), or a plain one refused."""
     assert block_refusal(_attention(tf.LlamaConfig)) is None
     assert block_refusal(_attention(tf.Qwen3Config, head_dim=16)) is None  # per-head q/k norms
     assert "per-head norm" in block_refusal(_attention(tf.Olmo2Config))  # q_norm over all heads' features
     assert "own" in block_refusal(_attention(tf.GptOssConfig, head_dim=16, num_local_experts=2,
                                              num_experts_per_tok=1))  # sinks
     attention = _attention(tf.LlamaConfig)
+
+    class RemoteAttention(type(attention)):  # a class outside transformers with a gated (2H a head) q_proj
+        pass
+
+    remote = RemoteAttention(attention.config, 0)
+    assert block_refusal(remote) is None  # plain widths: fine anywhere
+    remote.q_proj = torch.nn.Linear(64, 128, bias=False)
+    assert "features a head" in block_refusal(remote)  # the gate's row layout is unknown there
 
     class LoraLike(torch.nn.Linear):
         pass
