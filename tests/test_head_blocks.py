@@ -267,8 +267,8 @@ def _attention(config_cls, **kw):
 
 def test_which_attention_modules_run_as_head_blocks():
     """Bug caught: a module whose heads are not separable (a norm over all heads, sinks, a LoRA or fused
-    projection, a gate projection, a gated q projection of unknown row layout outside transformers) run as head
-    blocks (silently wrong), or a plain one refused."""
+    projection, a gate projection, a forward outside transformers whose row layout or post-o_proj ops are
+    unchecked) run as head blocks (silently wrong), or a plain one refused."""
     assert block_refusal(_attention(tf.LlamaConfig)) is None
     assert block_refusal(_attention(tf.Qwen3Config, head_dim=16)) is None  # per-head q/k norms
     assert "per-head norm" in block_refusal(_attention(tf.Olmo2Config))  # q_norm over all heads' features
@@ -276,13 +276,15 @@ def test_which_attention_modules_run_as_head_blocks():
                                              num_experts_per_tok=1))  # sinks
     attention = _attention(tf.LlamaConfig)
 
-    class RemoteAttention(type(attention)):  # a class outside transformers with a gated (2H a head) q_proj
+    class RemoteAttention(type(attention)):  # remote code: a forward of its own, e.g. a gated q_proj
+        def forward(self, *args, **kwargs):
+            return super().forward(*args, **kwargs)
+
+    class Subclass(type(attention)):  # e.g. a wrapper's dynamic subclass: transformers' forward
         pass
 
-    remote = RemoteAttention(attention.config, 0)
-    assert block_refusal(remote) is None  # plain widths: fine anywhere
-    remote.q_proj = torch.nn.Linear(64, 128, bias=False)
-    assert "features a head" in block_refusal(remote)  # the gate's row layout is unknown there
+    assert "remote code" in block_refusal(RemoteAttention(attention.config, 0))
+    assert block_refusal(Subclass(attention.config, 0)) is None
 
     class LoraLike(torch.nn.Linear):
         pass
