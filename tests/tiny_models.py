@@ -19,6 +19,8 @@ def tiny_config(family: str):
         return tf.LlamaConfig(**COMMON, num_attention_heads=4, num_key_value_heads=1), "sdpa"
     if family == "llama_k1":  # GQA with K=1 < P
         return tf.LlamaConfig(**COMMON, num_attention_heads=8, num_key_value_heads=1), "sdpa"
+    if family == "llama_bias":  # q/k/v and o_proj biases (o_proj's must be added once, not per head block)
+        return tf.LlamaConfig(**COMMON, num_attention_heads=8, num_key_value_heads=4, attention_bias=True), "sdpa"
     if family == "mistral":  # sliding window shorter than the sequence
         return tf.MistralConfig(**COMMON, num_attention_heads=8, num_key_value_heads=2, sliding_window=7), "sdpa"
     if family == "qwen2":  # q/k/v bias
