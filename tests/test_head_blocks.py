@@ -27,8 +27,9 @@ from ulysses_sp.integrations.head_blocks import block_refusal
 from ulysses_sp.memory.head_blocks import linear_graph_only, linear_into
 
 # (family, batch, head chunks, checkpointing) per P. llama: N=8 K=2; qwen3: N=6 K=2, q/k norms, head_dim 16;
-# qwen2: q/k/v bias; llama_bias: o_proj bias too, N=8 K=4 (4 blocks); mistral: sliding window. P=3 splits 3 query heads of a qwen3 block one a rank; P=4
-# gives llama blocks of one kv head read by four ranks (K < P inside the block)
+# qwen2: q/k/v bias; llama_bias: o_proj bias too, N=8 K=4 (4 blocks); mistral: sliding window. P=3 splits
+# 3 query heads of a qwen3 block one a rank; P=4 gives llama blocks of one kv head read by four ranks (K < P
+# inside the block)
 MODELS = {2: [("llama", "packed", 2, True), ("qwen3", "padding", 2, False), ("qwen2", "plain", 4, False),
               ("llama_bias", "plain", 4, False)],
           3: [("qwen3", "packed", 2, True)],
