@@ -71,6 +71,7 @@ def _run(family, kind, mesh, chunks, checkpointing, blocks=True):
     config = UlyssesSPConfig(sp_size=mesh.sp_size, sp_head_chunks=chunks, sp_head_blocks=blocks)
     saved = []
     with UlyssesSP(model, mesh, config) as sp:
+        assert sp.head_block_refusals == {}  # every attention module of these families runs as blocks
         shard = sp.shard(tiny_batch(kind))
         num_items = global_num_items(shard["shift_labels"], mesh.sp_group)
         with Counter() as counter:
@@ -171,6 +172,11 @@ def _worker_fallbacks(rank, world):
     # o_proj partial sums per block: fp32 reordering through two layers, of logits up to ~10 (eps 1e-6 there);
     # a wrong block or head is O(1)
     torch.testing.assert_close(logits, plain, rtol=1e-5, atol=1e-5)
+    # a family whose attention sizes tensors by num_heads keeps attention-call chunks, and says why
+    with UlyssesSP(tiny_model("stablelm"), mesh, UlyssesSPConfig(sp_size=world, sp_head_chunks=2)) as sp:
+        refusals = sp.head_block_refusals
+    assert len(refusals) == 2 and all("num_heads" in why for why in refusals.values()), refusals
+    assert sp.head_block_refusals == {}  # unregistered
     # a module whose forward changes o_proj's output after it (here x2) is recomputed with o_proj's values
     model = tiny_model("llama")
     for layer in model.model.layers:
@@ -193,7 +199,8 @@ def _worker_fallbacks(rank, world):
 def test_head_blocks_equal_attention_call_chunks_and_respect_what_the_module_does_after_o_proj():
     """Bug caught: head blocks disagreeing with attention-call chunking, the recompute's graph-only
     o_proj used for a module that reads o_proj's output (its gradient would be computed from zeros),
-    a byte target not choosing the blocks, and eval (no grad) under blocks differing from unchunked."""
+    a byte target not choosing the blocks, eval (no grad) under blocks differing from unchunked, and a
+    refused module not reported by ``UlyssesSP.head_block_refusals``."""
     spawn(_worker_fallbacks, 2)
 
 

@@ -143,6 +143,7 @@ class Registration:
                 and attention.a2a_size > 1):
             blocks = HeadBlocks(self.base, attention, config.sp_head_chunks, config.head_chunk_bytes)
             stack.callback(blocks.remove)  # also the modules swapped before one raised
+            stack.callback(setattr, self, "head_block_refusals", {})
             self.head_block_refusals = blocks.install()
 
     def _mixers(self, stack: contextlib.ExitStack) -> None:

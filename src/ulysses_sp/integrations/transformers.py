@@ -124,6 +124,13 @@ class UlyssesSP:
         """Our attention function (before :meth:`wrap_attention`'s wrappers)."""
         return self._adapter
 
+    @property
+    def head_block_refusals(self) -> dict[str, str]:
+        """While registered with head chunks: ``{attention module name: why}`` for the modules that keep
+        attention-call chunks instead of running as head blocks (``UlyssesSPConfig.sp_head_blocks``);
+        empty when every one runs as blocks, when blocks are off, or while not registered."""
+        return dict(self._registration.head_block_refusals) if self._registration.active else {}
+
     # registration -------------------------------------------------------------------------
     def wrap_attention(self, wrapper: Callable[[AttentionFunction], AttentionFunction]) -> UlyssesSP:
         """Have ``wrapper(fn)`` registered with transformers instead of our attention function ``fn``.
