@@ -118,7 +118,9 @@ class ChunkStash:
         mode "keep"    (its forward, no grad): each call runs as usual and leaves its output, the
                        kept kernel graphs and RNG states here, in call order; it returns the output
         mode "replay"  (its recompute, with grad): each call takes the next held result instead of
-                       running the kernel, so it costs no collective; its backward is the usual one
+                       running the kernel; its backward is the usual one. A one-chunk call (head
+                       blocks) exchanges its q|k|v already here, as its backward follows at once, and
+                       saves them at full length instead of sharded (no sharded copy beside them)
 
     A replayed call that finds nothing held (a second backward) runs the kernel again.
     """
@@ -192,6 +194,12 @@ class _HeadChunkedAttention(torch.autograd.Function):
         run = held or _run_forward(q_BNsH, k_BKsH, v_BKsH, chunks, group, attend, replay_rng, keep_graphs, params)
         out = run.out.detach()
         ctx.rng, ctx.graphs, ctx.leaves = run.rng, run.graphs, run.leaves
+        B, N, s, H = q_BNsH.shape
+        ctx.dims = (B, N, k_BKsH.shape[1], s, H, v_BKsH.shape[3])
+        ctx.prefetched = held is not None and len(chunks) == 1
+        if ctx.prefetched:  # a replayed chunk, its backward next: exchange q|k|v now and keep only the full length
+            chunk_run = _Chunks(chunks, group, ctx.dims)
+            q_BNsH, k_BKsH, v_BKsH = chunk_run.receive_qkv(chunk_run.send_qkv(q_BNsH, k_BKsH, v_BKsH, 0).wait(), 0)
         ctx.save_for_backward(q_BNsH, k_BKsH, v_BKsH, out, *params)
         ctx.chunks, ctx.group, ctx.attend = chunks, group, attend
         return out
@@ -199,26 +207,25 @@ class _HeadChunkedAttention(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, g_BsNH):
-        q_BNsH, k_BKsH, v_BKsH, out, *params = ctx.saved_tensors
-        B, N, s, H = q_BNsH.shape
-        K, Hv = k_BKsH.shape[1], v_BKsH.shape[3]
-        run = _Chunks(ctx.chunks, ctx.group, (B, N, K, s, H, Hv))
+        q_BNsH, k_BKsH, v_BKsH, out, *params = ctx.saved_tensors  # full length already where ``prefetched``
+        B, N, K, s, H, Hv = ctx.dims
+        run = _Chunks(ctx.chunks, ctx.group, ctx.dims)
         grads = None  # the sharded q/k/v grads: allocated when the first chunk's land, after its kernel backward
 
         def landed(buf: torch.Tensor, grad_chunk: HeadChunk) -> None:
             nonlocal grads
             if grads is None:
-                grads = (q_BNsH.new_empty(B, N, s, H), k_BKsH.new_zeros(B, K, s, H), v_BKsH.new_zeros(B, K, s, Hv))
+                grads = (out.new_empty(B, N, s, H), out.new_zeros(B, K, s, H), out.new_zeros(B, K, s, Hv))
             layout.unpack_qkv_grad(buf, grad_chunk, B, s, H, Hv, into=grads)
 
         param_grads: list[torch.Tensor | None] = [None] * len(params)
         pending, sent_grads = None, None
         for c, chunk in enumerate(run.chunks):
             n = chunk.num_local_heads(run.rank)[0]
-            qkv = run.send_qkv(q_BNsH, k_BKsH, v_BKsH, c)  # 1.
+            qkv = None if ctx.prefetched else run.send_qkv(q_BNsH, k_BKsH, v_BKsH, c)  # 1.
             if sent_grads is not None:  # 2.
                 landed(sent_grads[0].wait(), sent_grads[1])
-            q, k, v = run.receive_qkv(qkv.wait(), c)
+            q, k, v = (q_BNsH, k_BKsH, v_BKsH) if ctx.prefetched else run.receive_qkv(qkv.wait(), c)
             # the output and its gradient once q|k|v are unpacked: their buffers never coexist with q|k|v's
             o_in = _InFlight(layout.pack_out_grad(out, chunk), [B * s * n * Hv] * run.P, ctx.group)
             gout = _InFlight(layout.pack_out_grad(g_BsNH, chunk), [B * s * n * Hv] * run.P, ctx.group)
