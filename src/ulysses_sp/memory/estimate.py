@@ -43,7 +43,8 @@ the kernel workspace shrinks by ``C``.
 Head blocks (``head_blocks``, ``G = len(head_block_ranges(N, K, A, C)) > 1``, ``memory.head_blocks``): the
 attention module saves its input and the sharded attention output only, so ``saved`` loses the
 q/k/v and the output's copy ``NH + 2KH + NH``; its backward holds the ``D`` input-gradient buffer,
-one block's recomputed sharded q/k/v, their grads and its output grad ``(3NH + 4KH) / G``, and the
+one block's sharded q/k/v grads and output grad and one set of its exchange buffers ``(3NH + 4KH) / G``
+(as measured on CPU: within 2% of the peak of ``benchmarks/alst_longest.py``), and the
 block's full-length tensors ``chunk_live_bytes(HeadPlan(N_g, K_g, A), 1, ...)`` (a block with fewer
 kv heads than ``A`` ranks sends each of them to several ranks, so they count per rank).
 
