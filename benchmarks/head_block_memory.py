@@ -11,14 +11,18 @@ residual add after it does in a model), ``backward(dy)`` with a ``dy`` made befo
     blocks C=2, 4    sp_head_chunks=C (head blocks, the default): the whole module one block of heads
                      at a time (``memory.head_blocks``)
 
-Peak per rank = ``VmHWM - VmRSS`` around one forward + backward, glibc serving allocations >= 64 KiB
-by mmap (so the RSS follows the live tensors), the least of 3 passes after a warm-up, max over ranks.
+Peak per rank: on CPU ``VmHWM - VmRSS`` around one forward + backward, glibc serving allocations
+>= 64 KiB by mmap (so the RSS follows the live tensors); with ``--device cuda``
+``max_memory_allocated - memory_allocated`` (ranks share the GPUs over gloo where there are fewer
+than P). The least of 3 passes after a warm-up, max over ranks.
 
 The goal of issue 23 in these terms: the module's sharded tensors every mode holds (its output, the
 input's gradient, and the attention output ``o_proj`` reads: ``3 * B*s*D*4`` bytes) plus at most
 ``1/C`` of the unchunked module's remaining ("full-length") share.
 
     .venv/bin/python benchmarks/head_block_memory.py --seq-lens 8192 16384 --sp-sizes 2 4 --kv-heads 8 4
+    python benchmarks/head_block_memory.py --device cuda --dtype bfloat16 --seq-lens 32768 65536 --sp-sizes 2 \
+        --kv-heads 8 --json out.json                          # scripts/gpu_check.py --steps head_blocks
 """
 
 from __future__ import annotations
@@ -45,29 +49,50 @@ def _rss(field: str) -> int:
     raise RuntimeError(field)
 
 
+def _mark(device: torch.device) -> int:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        return torch.cuda.memory_allocated()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM := VmRSS
+    return _rss("VmRSS")
+
+
+def _peak(device: torch.device) -> int:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated()
+    return _rss("VmHWM")
+
+
 def _worker(rank: int, world: int, args, S: int, K: int, out_path: str) -> None:
     import transformers
 
     from ulysses_sp import SPMesh, UlyssesSP, UlyssesSPConfig
 
-    torch.set_num_threads(1)
-    ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD: freed tensors leave the RSS at once
-    mesh = SPMesh.from_world(world)
+    cuda = args.device == "cuda"
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    dtype = getattr(torch, args.dtype)
+    if not cuda:
+        torch.set_num_threads(1)
+        ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD: freed tensors leave the RSS at once
+    mesh = SPMesh.from_world(world, device_type=device.type)
     config = transformers.LlamaConfig(vocab_size=256, hidden_size=args.heads * args.head_dim, intermediate_size=64,
                                       num_hidden_layers=1, num_attention_heads=args.heads, num_key_value_heads=K,
                                       head_dim=args.head_dim, max_position_embeddings=S, use_cache=False)
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype).to(device)
     attention = model.model.layers[0].self_attn
     gen = torch.Generator().manual_seed(rank)
     s, D = S // world, config.hidden_size
-    x = torch.randn(1, s, D, generator=gen).requires_grad_()
-    dy = torch.randn(1, s, D, generator=gen)
+    x = torch.randn(1, s, D, generator=gen).to(device, dtype).requires_grad_()
+    dy = torch.randn(1, s, D, generator=gen).to(device, dtype)
     peaks = {}
     for name, chunks, blocks in MODES:
         sp_config = UlyssesSPConfig(sp_size=world, sp_head_chunks=chunks, sp_head_blocks=blocks)
         with UlyssesSP(model, mesh, sp_config) as sp:
-            inputs = sp.model_inputs(sp.shard({"input_ids": torch.zeros(1, S, dtype=torch.long)}))
+            inputs = sp.model_inputs(sp.shard({"input_ids": torch.zeros(1, S, dtype=torch.long, device=device)}))
             position_embeddings = model.model.rotary_emb(x, inputs["position_ids"])
 
             def step() -> None:
@@ -81,11 +106,9 @@ def _worker(rank: int, world: int, args, S: int, K: int, out_path: str) -> None:
             for _ in range(REPEATS):
                 x.grad = None
                 model.zero_grad(set_to_none=True)
-                with open("/proc/self/clear_refs", "w") as f:
-                    f.write("5")  # VmHWM := VmRSS
-                base = _rss("VmRSS")
+                base = _mark(device)
                 step()
-                measured.append(_rss("VmHWM") - base)
+                measured.append(_peak(device) - base)
             peaks[name] = min(measured)
     table = [None] * world
     torch.distributed.all_gather_object(table, peaks, group=mesh.sp_group)
@@ -103,8 +126,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-heads", type=int, nargs="+", default=[8, 4])
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=32)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--json", help="also write the records (MiB per mode and cell) here")
     args = parser.parse_args(argv)
-    print(f"load average at start: {os.getloadavg()}; torch {torch.__version__}", flush=True)
+    from ulysses_sp import local_backend
+
+    records = []
+    print(f"load average at start: {os.getloadavg()}; torch {torch.__version__}; {args.device} {args.dtype}",
+          flush=True)
     header = "| K | P | S | " + " | ".join(name for name, _, _ in MODES) + " | goal C=2 / C=4 | blocks C=4 / goal |"
     rows = [header, "|" + "---|" * (len(MODES) + 5)]
     for K in args.kv_heads:
@@ -112,19 +142,26 @@ def main(argv: list[str] | None = None) -> int:
             for S in args.seq_lens:
                 with tempfile.TemporaryDirectory() as tmp:
                     out = os.path.join(tmp, "peaks.json")
-                    spawn(_worker, P, args, S, K, out)
+                    spawn(_worker, P, args, S, K, out, backend=local_backend(P, args.device),
+                          device_type=args.device)
                     with open(out) as f:
                         peaks = json.load(f)
                 mib = {name: peaks[name] / 2**20 for name, _, _ in MODES}
-                sharded = 3 * (S // P) * args.heads * args.head_dim * 4 / 2**20
+                itemsize = torch.empty(0, dtype=getattr(torch, args.dtype)).element_size()
+                sharded = 3 * (S // P) * args.heads * args.head_dim * itemsize / 2**20
                 share = mib["unchunked"] - sharded
                 goal = {C: sharded + share / C for C in (2, 4)}
                 cells = " | ".join(f"{mib[name]:.1f}" for name, _, _ in MODES)
                 row = (f"| {K} | {P} | {S} | {cells} | {goal[2]:.1f} / {goal[4]:.1f} | "
-                       f"{mib['blocks C=4'] / goal[4]:.2f} |")
+                       f"{mib['blocks C=4'] / goal[4] if goal[4] > 0 else float('nan'):.2f} |")
                 rows.append(row)
                 print(row, flush=True)
+                records.append({"kv_heads": K, "sp_size": P, "seq_len": S, "device": args.device, "dtype": args.dtype,
+                                "mib": mib, "goal_mib": goal})
     print("\nMiB per rank (max over ranks, least of 3 passes)\n" + "\n".join(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(records, f, indent=1)
     return 0
 
 

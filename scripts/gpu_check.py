@@ -26,7 +26,10 @@ the JSON is rewritten after each step, so an interrupted run keeps what it measu
                      in CUDA memory at S=32K and 64K, P=2 (the ranks share a GPU where there is one),
                      unchunked against ``sp_head_chunks=4`` (4 chunks of the 8 query heads a rank
                      holds; bf16, sdpa)
-    7. packed_varlen
+    7. head_blocks   ``benchmarks/head_block_memory.py --device cuda``: one attention MODULE's peak
+                     (projections + attention + o_proj, forward + backward) in CUDA memory at S=32K and
+                     64K, P=2, bf16: unchunked, attention-call chunks and head blocks at C = 2, 4
+    8. packed_varlen
                      ``benchmarks/packed_varlen.py``: ``torch_varlen`` and ``sdpa`` against per-document
                      SDPA at S=32K with 1, 64 and 1024 documents (bf16, fwd + bwd): max differences and
                      times; on CPU / a torch without ``varlen_attn`` the varlen column says skipped
@@ -200,6 +203,20 @@ def head_chunks(tmp: str, dry_run: bool, timeout_s: float) -> dict:
     return step
 
 
+def head_blocks(tmp: str, dry_run: bool, timeout_s: float) -> dict:
+    """One attention module's CUDA peak per head-chunk mode (``benchmarks/head_block_memory.py``)."""
+    out = os.path.join(tmp, "head_blocks.json")
+    flags = (["--device", "cpu", "--seq-lens", "256", "--heads", "4", "--head-dim", "8", "--kv-heads", "2"]
+             if dry_run else ["--device", "cuda", "--dtype", "bfloat16", "--seq-lens", "32768", "65536",
+                              "--heads", "16", "--head-dim", "128", "--kv-heads", "8"])
+    step = run_step([sys.executable, "benchmarks/head_block_memory.py", *flags, "--sp-sizes", "2", "--json", out],
+                    timeout_s)
+    step["records"] = _read_json(out)
+    if step["status"] == "ok" and not step["records"]:
+        step["status"], step["note"] = "failed", "no head-block memory records"
+    return step
+
+
 def packed_varlen(tmp: str, dry_run: bool, timeout_s: float) -> dict:
     """``benchmarks/packed_varlen.py``: the varlen kernel against per-document SDPA; its rows."""
     out = os.path.join(tmp, "packed_varlen.json")
@@ -211,7 +228,7 @@ def packed_varlen(tmp: str, dry_run: bool, timeout_s: float) -> dict:
     return step
 
 
-STEPS = ("gpu_tests", "cuda_check", "bench", "memory_ablation", "head_chunks", "packed_varlen")
+STEPS = ("gpu_tests", "cuda_check", "bench", "memory_ablation", "head_chunks", "head_blocks", "packed_varlen")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -240,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
              "bench": (lambda tmp, t: bench(tmp, args.dry_run, gpus, t), 0.5),
              "memory_ablation": (lambda tmp, t: memory_ablation(tmp, args.dry_run, gpus, t), 0.8),
              "head_chunks": (lambda tmp, t: head_chunks(tmp, args.dry_run, t), 0.5),
+             "head_blocks": (lambda tmp, t: head_blocks(tmp, args.dry_run, t), 0.5),
              "packed_varlen": (lambda tmp, t: packed_varlen(tmp, args.dry_run, t), 1.0)}
     steps = {name: steps[name] for name in args.steps}
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,4 +1,4 @@
-"""``scripts/gpu_check.py --dry-run``: the GPU readiness script runs its four steps on CPU.
+"""``scripts/gpu_check.py --dry-run``: the GPU readiness script runs its steps on CPU.
 
 The script is what a GPU machine runs (GPU tests, bf16 bench, CUDA memory ablation); this test
 runs the same code paths with tiny shapes on CPU so a renamed flag, a moved test file or a changed
@@ -23,15 +23,19 @@ def _load():
 
 def test_gpu_check_dry_run_runs_every_step_and_writes_one_json(tmp_path):
     """Bug caught: a step whose command no longer runs (bench flags, test path, ablation script), a
-    JSON without the per-step results, GPU tests that run (instead of skipping) without CUDA, and
-    a bench whose chunked system disagrees with one process on the loss."""
+    JSON without the per-step results, GPU tests that run (instead of skipping) without CUDA, a
+    bench whose chunked system disagrees with one process on the loss, and a head-block memory step
+    that measures no mode."""
     out = tmp_path / "gpu_check.json"
     assert _load().main(["--dry-run", "--out", str(out), "--budget-s", "240"]) == 0
     results = json.loads(out.read_text())
     assert results["ok"] and results["dry_run"]
     assert set(results["steps"]) == {"gpu_tests", "cuda_check", "bench", "memory_ablation", "head_chunks",
-                                     "packed_varlen"}
+                                     "head_blocks", "packed_varlen"}
     assert {r["head_chunks"] for r in results["steps"]["head_chunks"]["records"]} == {1, 4}
+    blocks = results["steps"]["head_blocks"]["records"]
+    assert len(blocks) == 1 and set(blocks[0]["mib"]) == {"unchunked", "calls C=2", "calls C=4", "blocks C=2",
+                                                          "blocks C=4"}
     tests = results["steps"]["gpu_tests"]
     assert tests["counts"]["skipped"] >= 1 and tests["counts"]["failed"] == tests["counts"]["error"] == 0
     checks = results["steps"]["cuda_check"]["cases"]
