@@ -65,7 +65,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import memory_ablation  # noqa: E402  (its rss_kib)
+import memory_ablation  # noqa: E402  (its rss_kib, memory_mark / memory_peak)
 
 SYSTEMS = ("alst", "ours", "ours_calls", "ours_c1")
 GRANULE = 128  # 2 ranks x 64
@@ -242,13 +242,11 @@ def trial_worker(rank: int, world: int, system: str, seq_len: int, args, out_dir
         runner = _Ours(model, args, 1 if system == "ours_c1" else args.head_chunks, system != "ours_calls")
     if not grads:  # the check compares the FIRST step from identical weights: no warm-up update before it
         _step(runner, cfg, WARMUP_LEN, False)  # warm-up: lazy inits, thread pools, autograd/collective buffers
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset VmHWM to the current RSS
-    base = memory_ablation.rss_kib("VmRSS") * 1024
+    base = memory_ablation.memory_mark(torch.device("cpu"))
     start = time.perf_counter()
     info = _step(runner, cfg, seq_len, grads)
     seconds = time.perf_counter() - start
-    peak = memory_ablation.rss_kib("VmHWM") * 1024 - base
+    peak = memory_ablation.memory_peak(torch.device("cpu")) - base
     info["fwd_peak"] = info.pop("fwd_kib") * 1024 - base
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump({"peak": peak, "seconds": seconds, **info}, f)

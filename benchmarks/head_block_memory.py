@@ -36,34 +36,12 @@ import tempfile
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from memory_ablation import memory_mark, memory_peak  # noqa: E402  (the memory benchmarks' one measurement)
+
 MODES = (("unchunked", 1, True), ("calls C=2", 2, False), ("calls C=4", 4, False), ("blocks C=2", 2, True),
          ("blocks C=4", 4, True))
 REPEATS = 3
-
-
-def _rss(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(field)
-
-
-def _mark(device: torch.device) -> int:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        return torch.cuda.memory_allocated()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # VmHWM := VmRSS
-    return _rss("VmRSS")
-
-
-def _peak(device: torch.device) -> int:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated()
-    return _rss("VmHWM")
 
 
 def _worker(rank: int, world: int, args, S: int, K: int, out_path: str) -> None:
@@ -106,9 +84,9 @@ def _worker(rank: int, world: int, args, S: int, K: int, out_path: str) -> None:
             for _ in range(REPEATS):
                 x.grad = None
                 model.zero_grad(set_to_none=True)
-                base = _mark(device)
+                base = memory_mark(device)
                 step()
-                measured.append(_peak(device) - base)
+                measured.append(memory_peak(device) - base)
             peaks[name] = min(measured)
     table = [None] * world
     torch.distributed.all_gather_object(table, peaks, group=mesh.sp_group)

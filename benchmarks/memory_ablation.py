@@ -76,6 +76,25 @@ def rss_kib(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
+def memory_mark(device: torch.device) -> int:
+    """Start a peak measurement on ``device``; bytes in use now (CUDA: allocated; CPU: VmRSS, VmHWM reset to it)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        return torch.cuda.memory_allocated()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM := VmRSS
+    return rss_kib("VmRSS") * 1024
+
+
+def memory_peak(device: torch.device) -> int:
+    """The peak bytes since :func:`memory_mark` (CUDA: max allocated; CPU: VmHWM); subtract the mark."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated()
+    return rss_kib("VmHWM") * 1024
+
+
 def _build(device: str, fsdp2: bool = False):
     import transformers as tf
 

@@ -59,6 +59,23 @@ Block = Callable[[int, torch.Tensor, BlockCall], torch.Tensor]
 """``block(g, x_BsD, call) -> y_BsD``: head block ``g`` of the attention block (module docstring)."""
 
 
+def _weight_grads(ctx, dy2: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> tuple:
+    """A linear's ``(d weight, d bias)`` (None where not needed) from ``dy (T, out)`` and its input ``x``."""
+    dw = (dy2.t() @ x.reshape(-1, x.shape[-1]).to(dy2.dtype)).to(weight.dtype) if ctx.needs_input_grad[1] else None
+    db = dy2.sum(0).to(weight.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
+    return dw, db
+
+
+def _sum_blocks(block: Block, x_BsD: torch.Tensor, calls: list[BlockCall]) -> torch.Tensor:
+    """``sum_g block(g, x, calls[g])``, accumulated in place (one block's output extra at a time)."""
+    y_BsD = None
+    for g, call in enumerate(calls):
+        y_g = block(g, x_BsD, call)
+        y_BsD = y_g if y_BsD is None else y_BsD.add_(y_g)
+        del y_g
+    return y_BsD
+
+
 class _LinearInto(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, into):
@@ -72,9 +89,7 @@ class _LinearInto(torch.autograd.Function):
         into = ctx.into
         dy2 = dy.reshape(-1, dy.shape[-1])
         into.view(-1, into.shape[-1]).addmm_(dy2.to(into.dtype), weight.to(into.dtype))
-        dw = (dy2.t() @ x.reshape(-1, x.shape[-1]).to(dy.dtype)).to(weight.dtype) if ctx.needs_input_grad[1] else None
-        db = dy2.sum(0).to(weight.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return None, dw, db, None
+        return None, *_weight_grads(ctx, dy2, x, weight), None
 
 
 class _LinearGraphOnly(torch.autograd.Function):
@@ -89,9 +104,7 @@ class _LinearGraphOnly(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         dy2 = dy.reshape(-1, dy.shape[-1])
         dx = (dy2 @ weight.to(dy.dtype)).to(x.dtype).view(x.shape) if ctx.needs_input_grad[0] else None
-        dw = (dy2.t() @ x.reshape(-1, x.shape[-1]).to(dy.dtype)).to(weight.dtype) if ctx.needs_input_grad[1] else None
-        db = dy2.sum(0).to(weight.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return dx, dw, db, None
+        return dx, *_weight_grads(ctx, dy2, x, weight), None
 
 
 def linear_graph_only(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -114,15 +127,16 @@ def linear_into(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 class _HeadBlocks(torch.autograd.Function):
     @staticmethod
     def forward(ctx, block: Block, num_blocks: int, x_BsD: torch.Tensor, *params: torch.Tensor):
-        ctx.block, ctx.stashes, ctx.rng = block, [ChunkStash() for _ in range(num_blocks)], []
+        ctx.block, ctx.stashes = block, [ChunkStash() for _ in range(num_blocks)]
         device_type = x_BsD.device.type
         ctx.autocast = (device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
-        y_BsD = None
-        for g, stash in enumerate(ctx.stashes):
-            ctx.rng.append(RngState.capture(x_BsD.device))
-            y_g = block(g, x_BsD, BlockCall(stash))
-            y_BsD = y_g if y_BsD is None else y_BsD.add_(y_g)
-            del y_g
+        ctx.rng = []
+
+        def capturing(g: int, x: torch.Tensor, call: BlockCall) -> torch.Tensor:
+            ctx.rng.append(RngState.capture(x.device))  # the state block g's recompute replays
+            return block(g, x, call)
+
+        y_BsD = _sum_blocks(capturing, x_BsD, [BlockCall(stash) for stash in ctx.stashes])
         outs = [out for stash in ctx.stashes for out in stash.outputs()]
         ctx.num_outs = [len(stash.runs) for stash in ctx.stashes]
         ctx.save_for_backward(x_BsD, *params, *outs)
@@ -170,9 +184,5 @@ def head_blocks(block: Block, num_blocks: int, x_BsD: torch.Tensor, params: list
         ``y (B, s, D)``. Without grad (eval) the blocks just run one after the other.
     """
     if not torch.is_grad_enabled() or not (x_BsD.requires_grad or any(p.requires_grad for p in params)):
-        y_BsD = None
-        for g in range(num_blocks):
-            y_g = block(g, x_BsD, BlockCall(None))
-            y_BsD = y_g if y_BsD is None else y_BsD.add_(y_g)
-        return y_BsD
+        return _sum_blocks(block, x_BsD, [BlockCall(None)] * num_blocks)
     return _HeadBlocks.apply(block, num_blocks, x_BsD, *params)
