@@ -194,13 +194,32 @@ def _worker_fallbacks(rank, world):
     for name, grad in losses[0][1].items():  # same tolerance as above
         scale = grad.abs().max().clamp_min(1e-8)
         torch.testing.assert_close(losses[1][1][name] / scale, grad / scale, rtol=0, atol=1e-5)
+    # a second backward (retain_graph): the first one freed each block's saved attention outputs and used up
+    # the kept kernel graphs, so the second recomputes the attention (kept graph: plain rows; recomputed
+    # already: packed rows) and must add the same gradients again
+    for kind in ("plain", "packed"):
+        model = tiny_model("llama")
+        with UlyssesSP(model, mesh, UlyssesSPConfig(sp_size=world, sp_head_chunks=2)) as sp:
+            shard = sp.shard(tiny_batch(kind))
+            loss = sp.forward_loss(model, shard, global_num_items(shard["shift_labels"], mesh.sp_group))
+            loss.backward(retain_graph=True)
+            once = {name: p.grad.clone() for name, p in model.named_parameters()}
+            loss.backward()
+        for name, p in model.named_parameters():
+            # the same kernels on the same inputs give the same gradient again, up to fp32 reordering
+            # between a kept graph's backward and a recomputed one (~1e-7 relative); freed or stale
+            # outputs would give garbage or an error
+            scale = once[name].abs().max().clamp_min(1e-8)
+            torch.testing.assert_close(p.grad / scale, 2 * once[name] / scale, rtol=0, atol=1e-5,
+                                       msg=lambda m, name=name, kind=kind: f"{kind} {name}: {m}")
 
 
 def test_head_blocks_equal_attention_call_chunks_and_respect_what_the_module_does_after_o_proj():
     """Bug caught: head blocks disagreeing with attention-call chunking, the recompute's graph-only
     o_proj used for a module that reads o_proj's output (its gradient would be computed from zeros),
-    a byte target not choosing the blocks, eval (no grad) under blocks differing from unchunked, and a
-    refused module not reported by ``UlyssesSP.head_block_refusals``."""
+    a byte target not choosing the blocks, eval (no grad) under blocks differing from unchunked, a
+    refused module not reported by ``UlyssesSP.head_block_refusals``, and a second backward
+    (``retain_graph``) reading the saved attention outputs the first one freed."""
     spawn(_worker_fallbacks, 2)
 
 

@@ -64,9 +64,17 @@ class _InFlight:
 
     def wait(self) -> torch.Tensor:
         self.work.wait()
-        # the work object holds the buffers too: drop it, so the caller holds the only reference
+        # the send buffer is ours alone and done with: free it now (a backend may hold the work, and
+        # with it the buffer, a while longer); drop the work, so the caller holds the only reference
+        free_storage(self.send)
         recv, self.send, self.recv, self.work = self.recv, None, None, None
         return recv
+
+    def unpack(self, unpack: Callable[[torch.Tensor], object]) -> None:
+        """Wait, ``unpack(received)`` into tensors of its own (not views), then free the receive buffer."""
+        recv = self.wait()
+        unpack(recv)
+        free_storage(recv)
 
 
 class _Chunks:
@@ -96,6 +104,7 @@ class _Chunks:
         layout.unpack_qkv(buf, chunk, self.rank, B, s, H, Hv, into=(q, k[:, carried:], v[:, carried:]))
         carries = c + 1 < len(self.chunks) and self.chunks[c + 1].carried(self.rank)
         self.kept = (k[:, -1:].clone(), v[:, -1:].clone()) if carries else None
+        free_storage(buf)
         return q, k, v
 
     def carry_out(self, c: int, rank: int) -> int:
@@ -181,9 +190,9 @@ def _run_forward(q_BNsH, k_BKsH, v_BKsH, chunks: tuple[HeadChunk, ...], group: P
         sending = (_InFlight(packed, recv_sizes, group), chunk)
         del packed
         if sent_out is not None:
-            layout.unpack_out(sent_out[0].wait(), sent_out[1], B, s, Hv, into=out)
+            sent_out[0].unpack(lambda buf, chunk=sent_out[1]: layout.unpack_out(buf, chunk, B, s, Hv, into=out))
         sent_out = sending
-    layout.unpack_out(sent_out[0].wait(), sent_out[1], B, s, Hv, into=out)
+    sent_out[0].unpack(lambda buf: layout.unpack_out(buf, sent_out[1], B, s, Hv, into=out))
     return _Run(out, rngs, graphs, leaves)
 
 
@@ -217,6 +226,7 @@ class _HeadChunkedAttention(torch.autograd.Function):
             if grads is None:
                 grads = (out.new_empty(B, N, s, H), out.new_zeros(B, K, s, H), out.new_zeros(B, K, s, Hv))
             layout.unpack_qkv_grad(buf, grad_chunk, B, s, H, Hv, into=grads)
+            free_storage(buf)
 
         param_grads: list[torch.Tensor | None] = [None] * len(params)
         pending, sent_grads = None, None
@@ -234,16 +244,23 @@ class _HeadChunkedAttention(torch.autograd.Function):
                 for name, values in (("q", q), ("k", k), ("v", v)):
                     kept[0].rebuild(name, values)
                 del q, k, v
-                layout.unpack_out_grad(o_in.wait(), chunk, run.rank, B, s, Hv, into=kept[0].target("o", out))
-                go = layout.unpack_out_grad(gout.wait(), chunk, run.rank, B, s, Hv)
+                o_target = kept[0].target("o", out)
+                o_in.unpack(lambda buf: layout.unpack_out_grad(buf, chunk, run.rank, B, s, Hv, into=o_target))
+                del o_target
+                go_buf = gout.wait()
+                go = layout.unpack_out_grad(go_buf, chunk, run.rank, B, s, Hv)  # may be a view of go_buf
                 dq, dk, dv, dp = _graph_grads(kept, go, ctx.leaves)
             else:  # 3. recompute (the RNG state of the forward replayed for dropout)
-                o_in.wait()  # the output is not needed: the recompute makes it
-                go = layout.unpack_out_grad(gout.wait(), chunk, run.rank, B, s, Hv)
+                free_storage(o_in.wait())  # the output is not needed: the recompute makes it
+                go_buf = gout.wait()
+                go = layout.unpack_out_grad(go_buf, chunk, run.rank, B, s, Hv)
                 with ctx.rng[c].replayed() if ctx.rng[c] is not None else contextlib.nullcontext():
                     dq, dk, dv, dp = _chunk_grads(ctx.attend, q, k, v, go, chunk, ctx.leaves)
                 del q, k, v
             del kept, go
+            free_storage(go_buf)
+            if ctx.prefetched:  # ours alone (this node runs backward once, inside a head block's)
+                free_storage(q_BNsH, k_BKsH, v_BKsH)
             param_grads = [a if b is None else b if a is None else a + b for a, b in zip(param_grads, dp)]
             if pending is not None:  # the previous chunk's last kv head, read here again
                 dk[:, :1] += pending[0]

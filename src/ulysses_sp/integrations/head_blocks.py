@@ -40,7 +40,7 @@ from ulysses_sp.attention import UlyssesAttention
 from ulysses_sp.comm.cost import chunk_live_bytes, head_block_ranges
 from ulysses_sp.comm.layout import HeadPlan
 from ulysses_sp.integrations import vlm
-from ulysses_sp.memory.head_blocks import BlockCall, head_blocks, linear_graph_only, linear_into
+from ulysses_sp.memory.head_blocks import BlockCall, GradBuffer, head_blocks, linear_graph_only, linear_into
 from ulysses_sp.swaps import InstanceForward, instance_forward
 
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -102,7 +102,7 @@ class _Module:
         self.returns_o, self.o_dtype = False, torch.float32
 
     @contextlib.contextmanager
-    def sliced(self, kv: tuple[int, int], first: bool, x: torch.Tensor, x_grad: torch.Tensor | None) -> Iterator[None]:
+    def sliced(self, kv: tuple[int, int], first: bool, x: torch.Tensor, x_grad: GradBuffer | None) -> Iterator[None]:
         """The four projections restricted to the heads of kv range ``kv`` while inside; q/k/v called on
         ``x`` itself add its gradient into ``x_grad`` (backward) through ``linear_into``."""
         a, b = kv
@@ -130,7 +130,7 @@ class _Module:
         return forward
 
 
-def _rows(linear: nn.Linear, lo: int, hi: int, source: torch.Tensor, x_grad: torch.Tensor | None):
+def _rows(linear: nn.Linear, lo: int, hi: int, source: torch.Tensor, x_grad: GradBuffer | None):
     def forward(x: torch.Tensor) -> torch.Tensor:
         into = x_grad if x is source else None  # anything else (a cast, another tensor): autograd's path
         return linear_into(x, linear.weight[lo:hi], None if linear.bias is None else linear.bias[lo:hi], into)

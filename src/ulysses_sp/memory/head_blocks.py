@@ -38,6 +38,21 @@ import torch.nn.functional as F
 
 from ulysses_sp.comm.head_chunked import ChunkStash
 from ulysses_sp.comm.rng import RngState
+from ulysses_sp.comm.saved_graph import free_storage
+
+
+class GradBuffer:
+    """A gradient summed in place over blocks, allocated (zeros, x's shape) at its first contribution: the
+    first block's attention backward runs before it exists."""
+
+    def __init__(self, like: torch.Tensor) -> None:
+        self.like, self.tensor = like, None
+
+    def get(self) -> torch.Tensor:
+        """The buffer (allocated now if this is the first contribution)."""
+        if self.tensor is None:
+            self.tensor = torch.zeros_like(self.like, memory_format=torch.contiguous_format)
+        return self.tensor
 
 
 @dataclasses.dataclass
@@ -47,12 +62,11 @@ class BlockCall:
     Attributes:
         stash: where its attention calls keep (forward) or find (backward) their results; None
             without grad (nothing to keep).
-        x_grad: in backward, the ``(B, s, D)`` buffer where ``linear_into`` adds x's gradient; None
-            in forward.
+        x_grad: in backward, where ``linear_into`` adds x's ``(B, s, D)`` gradient; None in forward.
     """
 
     stash: ChunkStash | None
-    x_grad: torch.Tensor | None = None
+    x_grad: GradBuffer | None = None
 
 
 Block = Callable[[int, torch.Tensor, BlockCall], torch.Tensor]
@@ -86,7 +100,7 @@ class _LinearInto(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
-        into = ctx.into
+        into = ctx.into.get() if isinstance(ctx.into, GradBuffer) else ctx.into
         dy2 = dy.reshape(-1, dy.shape[-1])
         into.view(-1, into.shape[-1]).addmm_(dy2.to(into.dtype), weight.to(into.dtype))
         return None, *_weight_grads(ctx, dy2, x, weight), None
@@ -116,9 +130,10 @@ def linear_graph_only(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 
 
 def linear_into(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                into: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``; with ``into`` (x's shape, contiguous), x's gradient is added into it in
-    place in backward instead of flowing back through autograd (x itself then gets none from here)."""
+                into: torch.Tensor | GradBuffer | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``; with ``into`` (x's shape, contiguous, or a :class:`GradBuffer`), x's
+    gradient is added into it in place in backward instead of flowing back through autograd (x itself
+    then gets none from here)."""
     if into is None or not torch.is_grad_enabled():
         return F.linear(x, weight, bias)
     return _LinearInto.apply(x, weight, bias, into)
@@ -149,11 +164,12 @@ class _HeadBlocks(torch.autograd.Function):
         params, outs = rest[:ctx.num_params], rest[ctx.num_params:]
         need_dx, needs = ctx.needs_input_grad[2], ctx.needs_input_grad[3:]
         wanted = [p for p, need in zip(params, needs) if need]
-        dx = torch.zeros_like(x_BsD, memory_format=torch.contiguous_format) if need_dx else None
+        dx = GradBuffer(x_BsD) if need_dx else None
         param_grads: list[torch.Tensor | None] = [None] * len(wanted)
         device_type, autocast_on, autocast_dtype = ctx.autocast
         for g, stash in enumerate(ctx.stashes):
-            stash.replay(outs[sum(ctx.num_outs[:g]):sum(ctx.num_outs[:g + 1])])
+            block_outs = outs[sum(ctx.num_outs[:g]):sum(ctx.num_outs[:g + 1])]
+            stash.replay(block_outs)
             x_leaf = x_BsD.detach().requires_grad_(need_dx)
             with torch.enable_grad(), torch.autocast(device_type, enabled=autocast_on, dtype=autocast_dtype), \
                     ctx.rng[g].replayed():
@@ -162,13 +178,14 @@ class _HeadBlocks(torch.autograd.Function):
             grads = list(torch.autograd.grad(y_g, inputs, dy_BsD, allow_unused=True)) if y_g.requires_grad \
                 else [None] * len(inputs)
             del y_g, stash.runs[:]  # this block's graph and held results go before the next block's
+            free_storage(*block_outs)  # read by nothing else: a second backward recomputes the attention
             if need_dx:
                 d = grads.pop(0)  # x's gradient from uses outside linear_into (none for a plain block)
                 if d is not None:
-                    dx.add_(d)
+                    dx.get().add_(d)
             param_grads = [a if b is None else b if a is None else a + b for a, b in zip(param_grads, grads)]
         it = iter(param_grads)
-        return (None, None, dx, *(next(it) if need else None for need in needs))
+        return (None, None, dx.get() if need_dx else None, *(next(it) if need else None for need in needs))
 
 
 def head_blocks(block: Block, num_blocks: int, x_BsD: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
