@@ -37,11 +37,13 @@ import tempfile
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from live_tensors import LiveTensors, sequence_classifier  # noqa: E402
 from memory_ablation import memory_mark, memory_peak  # noqa: E402  (the memory benchmarks' one measurement)
 
 MODES = (("unchunked", 1, True), ("calls C=2", 2, False), ("calls C=4", 4, False), ("blocks C=2", 2, True),
          ("blocks C=4", 4, True))
 REPEATS = 3
+FULL = ("full-length", "exchange")  # the per-head-chunk share: full-length tensors and the exchange buffers
 
 
 def _worker(rank: int, world: int, args, S: int, K: int, out_path: str) -> None:
@@ -87,12 +89,17 @@ def _worker(rank: int, world: int, args, S: int, K: int, out_path: str) -> None:
                 base = memory_mark(device)
                 step()
                 measured.append(memory_peak(device) - base)
-            peaks[name] = min(measured)
+            x.grad = None
+            model.zero_grad(set_to_none=True)
+            with LiveTensors(sequence_classifier(S), combined=FULL) as live:
+                step()
+            peaks[name] = {"measured": min(measured), "tracked": live.peak, "full_max": live.max_combined,
+                           "at_peak": live.peak_by_category}
     table = [None] * world
     torch.distributed.all_gather_object(table, peaks, group=mesh.sp_group)
     if rank == 0:
         with open(out_path, "w") as f:
-            json.dump({name: max(p[name] for p in table) for name, _, _ in MODES}, f)
+            json.dump({name: max((p[name] for p in table), key=lambda r: r["tracked"]) for name, _, _ in MODES}, f)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -113,8 +120,12 @@ def main(argv: list[str] | None = None) -> int:
     records = []
     print(f"load average at start: {os.getloadavg()}; torch {torch.__version__}; {args.device} {args.dtype}",
           flush=True)
-    header = "| K | P | S | " + " | ".join(name for name, _, _ in MODES) + " | goal C=2 / C=4 | blocks C=4 / goal |"
-    rows = [header, "|" + "---|" * (len(MODES) + 5)]
+    from ulysses_sp import attention_comm
+
+    header = ("| K | P | S | mode | C run | measured | tracked peak | of it full-length / sharded | full-length max "
+              "| / unchunked's | goal |")
+    rows = [header, "|" + "---|" * 11]
+    itemsize = torch.empty(0, dtype=getattr(torch, args.dtype)).element_size()
     for K in args.kv_heads:
         for P in args.sp_sizes:
             for S in args.seq_lens:
@@ -124,19 +135,23 @@ def main(argv: list[str] | None = None) -> int:
                           device_type=args.device)
                     with open(out) as f:
                         peaks = json.load(f)
-                mib = {name: peaks[name] / 2**20 for name, _, _ in MODES}
-                itemsize = torch.empty(0, dtype=getattr(torch, args.dtype)).element_size()
-                sharded = 3 * (S // P) * args.heads * args.head_dim * itemsize / 2**20
-                share = mib["unchunked"] - sharded
-                goal = {C: sharded + share / C for C in (2, 4)}
-                cells = " | ".join(f"{mib[name]:.1f}" for name, _, _ in MODES)
-                row = (f"| {K} | {P} | {S} | {cells} | {goal[2]:.1f} / {goal[4]:.1f} | "
-                       f"{mib['blocks C=4'] / goal[4] if goal[4] > 0 else float('nan'):.2f} |")
-                rows.append(row)
-                print(row, flush=True)
-                records.append({"kv_heads": K, "sp_size": P, "seq_len": S, "device": args.device, "dtype": args.dtype,
-                                "mib": mib, "goal_mib": goal})
-    print("\nMiB per rank (max over ranks, least of 3 passes)\n" + "\n".join(rows))
+                base = peaks["unchunked"]["full_max"]
+                for name, chunks, blocks in MODES:
+                    rec = peaks[name]
+                    run = attention_comm("ulysses", P, 1, S, args.heads, K, args.head_dim, itemsize,
+                                         head_chunks=chunks, head_blocks=blocks).collectives_forward // 2
+                    full_at_peak = sum(v for k, v in rec["at_peak"].items() if k in FULL)
+                    ratio = rec["full_max"] / base
+                    goal = "-" if run == 1 else f"<= {1 / run:.2f}: {'met' if ratio <= 1 / run else 'NOT met'}"
+                    row = (f"| {K} | {P} | {S} | {name} | {run} | {rec['measured'] / 2**20:.1f} | "
+                           f"{rec['tracked'] / 2**20:.1f} | {full_at_peak / 2**20:.1f} / "
+                           f"{(rec['tracked'] - full_at_peak) / 2**20:.1f} | {rec['full_max'] / 2**20:.1f} | "
+                           f"{ratio:.2f} | {goal} |")
+                    rows.append(row)
+                    print(row, flush=True)
+                    records.append({"kv_heads": K, "sp_size": P, "seq_len": S, "device": args.device,
+                                    "dtype": args.dtype, "mode": name, "chunks_run": run, **rec})
+    print("\nMiB per rank (max over ranks; measured: the least of 3 passes)\n" + "\n".join(rows))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(records, f, indent=1)

@@ -8,10 +8,14 @@ Shape legend: see ``ulysses_sp.comm.layout``.
 Each backward is the reverse exchange (one collective), so an attention forward+backward costs
 exactly four collectives. The layout work lives in ``layout``; this module only moves buffers.
 
-Head-chunked attention (the exchanges per chunk of heads, with recompute) is ``comm.head_chunked``.
+Head-chunked attention (the exchanges per chunk of heads, with recompute) is ``comm.head_chunked``;
+it overlaps exchanges with :class:`InFlight`. Every exchange frees its send buffer once sent and its
+receive buffer once unpacked (``free_storage``), rather than when a backend lets go of its work.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -19,16 +23,37 @@ from torch.distributed import ProcessGroup
 
 from ulysses_sp.comm import layout
 from ulysses_sp.comm.layout import HeadPlan
+from ulysses_sp.comm.saved_graph import free_storage
+
+
+class InFlight:
+    """One asynchronous ``all_to_all_single`` of a packed buffer (a ``pack_*`` result); the buffers live until
+    :meth:`wait` frees the sent one and returns the received one."""
+
+    def __init__(self, packed: tuple[torch.Tensor, list[int]], recv_sizes: list[int], group: ProcessGroup) -> None:
+        self.send, send_sizes = packed
+        self.recv = self.send.new_empty(sum(recv_sizes))
+        self.work = dist.all_to_all_single(self.recv, self.send, recv_sizes, send_sizes, group=group, async_op=True)
+
+    def wait(self) -> torch.Tensor:
+        self.work.wait()
+        # the send buffer is ours alone and done with: free it now (a backend may hold the work, and
+        # with it the buffer, a while longer); drop the work, so the caller holds the only reference
+        free_storage(self.send)
+        recv, self.send, self.recv, self.work = self.recv, None, None, None
+        return recv
+
+    def unpack(self, unpack: Callable[[torch.Tensor], object]) -> None:
+        """Wait, ``unpack(received)`` into tensors of its own (not views), then free the receive buffer."""
+        recv = self.wait()
+        unpack(recv)
+        free_storage(recv)
 
 
 def _exchange(packed: tuple[torch.Tensor, list[int]], recv_sizes: list[int], group: ProcessGroup) -> torch.Tensor:
-    """One ``all_to_all_single`` of a packed buffer. Callers pass the ``pack_*`` result directly, so
-    the send buffer is freed when this returns, before the received one is unpacked (binding it to a
-    name kept a third copy of q|k|v alive during the unpack)."""
-    send, send_sizes = packed
-    recv = send.new_empty(sum(recv_sizes))
-    dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=group)
-    return recv
+    """One blocking exchange: the send buffer is freed before the received one is unpacked (a third copy
+    of q|k|v alive during the unpack otherwise)."""
+    return InFlight(packed, recv_sizes, group).wait()
 
 
 class _SeqToHeadQKV(torch.autograd.Function):
@@ -40,7 +65,9 @@ class _SeqToHeadQKV(torch.autograd.Function):
         recv_sizes = [plan.qkv_numels(rank, B, s, H, Hv)] * plan.sp_size
         recv = _exchange(layout.pack_qkv(q_BNsH, k_BKsH, v_BKsH, plan), recv_sizes, group)
         ctx.plan, ctx.group, ctx.dims = plan, group, (B, s, H, Hv)
-        return layout.unpack_qkv(recv, plan, rank, B, s, H, Hv)
+        q, k, v = layout.unpack_qkv(recv, plan, rank, B, s, H, Hv)
+        free_storage(recv)
+        return q, k, v
 
     @staticmethod
     def backward(ctx, gq_BnSH, gk_BkSH, gv_BkSH):
@@ -48,6 +75,7 @@ class _SeqToHeadQKV(torch.autograd.Function):
         recv_sizes = [plan.qkv_numels(j, B, s, H, Hv) for j in range(plan.sp_size)]
         recv = _exchange(layout.pack_qkv_grad(gq_BnSH, gk_BkSH, gv_BkSH, plan), recv_sizes, group)
         gq, gk, gv = layout.unpack_qkv_grad(recv, plan, B, s, H, Hv)
+        free_storage(recv)
         return gq, gk, gv, None, None
 
 
@@ -59,7 +87,9 @@ class _HeadToSeqOut(torch.autograd.Function):
         recv_sizes = [B * s * (qb - qa) * Hv for qa, qb in plan.q_ranges]
         recv = _exchange(layout.pack_out(o_BSnH, plan), recv_sizes, group)
         ctx.plan, ctx.group, ctx.dims = plan, group, (B, s, Hv)
-        return layout.unpack_out(recv, plan, B, s, Hv)
+        o = layout.unpack_out(recv, plan, B, s, Hv)
+        free_storage(recv)
+        return o
 
     @staticmethod
     def backward(ctx, g_BsNH):

@@ -45,6 +45,7 @@ from torch.autograd.function import once_differentiable
 from torch.distributed import ProcessGroup
 
 from ulysses_sp.comm import layout
+from ulysses_sp.comm.all_to_all import InFlight
 from ulysses_sp.comm.layout import HeadChunk
 from ulysses_sp.comm.rng import RngState
 from ulysses_sp.comm.saved_graph import SavedGraph, free_storage
@@ -52,29 +53,6 @@ from ulysses_sp.comm.saved_graph import SavedGraph, free_storage
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, HeadChunk, tuple[torch.Tensor, ...]], torch.Tensor]
 """``attend(q (B,n,S,H), k (B,k,S,H), v (B,k,S,Hv), chunk, params) -> o (B,S,n,Hv)`` for one chunk of
 heads; ``params``: the differentiable tensors besides q, k, v that attention reads (e.g. sinks)."""
-
-
-class _InFlight:
-    """One asynchronous ``all_to_all_single``; the buffers live until :meth:`wait` returns the received one."""
-
-    def __init__(self, packed: tuple[torch.Tensor, list[int]], recv_sizes: list[int], group: ProcessGroup) -> None:
-        self.send, send_sizes = packed
-        self.recv = self.send.new_empty(sum(recv_sizes))
-        self.work = dist.all_to_all_single(self.recv, self.send, recv_sizes, send_sizes, group=group, async_op=True)
-
-    def wait(self) -> torch.Tensor:
-        self.work.wait()
-        # the send buffer is ours alone and done with: free it now (a backend may hold the work, and
-        # with it the buffer, a while longer); drop the work, so the caller holds the only reference
-        free_storage(self.send)
-        recv, self.send, self.recv, self.work = self.recv, None, None, None
-        return recv
-
-    def unpack(self, unpack: Callable[[torch.Tensor], object]) -> None:
-        """Wait, ``unpack(received)`` into tensors of its own (not views), then free the receive buffer."""
-        recv = self.wait()
-        unpack(recv)
-        free_storage(recv)
 
 
 class _Chunks:
@@ -85,10 +63,10 @@ class _Chunks:
         self.rank, self.P = dist.get_rank(group), chunks[0].sp_size
         self.kept: tuple[torch.Tensor, torch.Tensor] | None = None  # last kv head of the previous chunk
 
-    def send_qkv(self, q_BNsH, k_BKsH, v_BKsH, c: int) -> _InFlight:
+    def send_qkv(self, q_BNsH, k_BKsH, v_BKsH, c: int) -> InFlight:
         B, N, K, s, H, Hv = self.dims
         chunk = self.chunks[c]
-        return _InFlight(layout.pack_qkv(q_BNsH, k_BKsH, v_BKsH, chunk),
+        return InFlight(layout.pack_qkv(q_BNsH, k_BKsH, v_BKsH, chunk),
                          [chunk.qkv_numels(self.rank, B, s, H, Hv)] * self.P, self.group)
 
     def receive_qkv(self, buf: torch.Tensor, c: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -172,7 +150,7 @@ def _run_forward(q_BNsH, k_BKsH, v_BKsH, chunks: tuple[HeadChunk, ...], group: P
     graphs: list = [None] * len(chunks)  # per chunk: (SavedGraph, q, k, v, o) where the graph is kept
     leaves = tuple(p.detach().requires_grad_(p.requires_grad) for p in params)
     out = q_BNsH.new_empty(B, s, N, Hv)
-    sent_out: tuple[_InFlight, HeadChunk] | None = None
+    sent_out: tuple[InFlight, HeadChunk] | None = None
     qkv_next = run.send_qkv(q_BNsH, k_BKsH, v_BKsH, 0)
     for c, chunk in enumerate(chunks):
         qkv = qkv_next
@@ -187,7 +165,7 @@ def _run_forward(q_BNsH, k_BKsH, v_BKsH, chunks: tuple[HeadChunk, ...], group: P
             graphs[c] = (graph, q, k, v, o_BSnH)
             free_storage(q, k, v, o_BSnH)  # the graph rebuilds them in backward
         del q, k, v, o_BSnH, graph  # packed: free o before the receive buffer is allocated
-        sending = (_InFlight(packed, recv_sizes, group), chunk)
+        sending = (InFlight(packed, recv_sizes, group), chunk)
         del packed
         if sent_out is not None:
             sent_out[0].unpack(lambda buf, chunk=sent_out[1]: layout.unpack_out(buf, chunk, B, s, Hv, into=out))
@@ -237,8 +215,8 @@ class _HeadChunkedAttention(torch.autograd.Function):
                 landed(sent_grads[0].wait(), sent_grads[1])
             q, k, v = (q_BNsH, k_BKsH, v_BKsH) if ctx.prefetched else run.receive_qkv(qkv.wait(), c)
             # the output and its gradient once q|k|v are unpacked: their buffers never coexist with q|k|v's
-            o_in = _InFlight(layout.pack_out_grad(out, chunk), [B * s * n * Hv] * run.P, ctx.group)
-            gout = _InFlight(layout.pack_out_grad(g_BsNH, chunk), [B * s * n * Hv] * run.P, ctx.group)
+            o_in = InFlight(layout.pack_out_grad(out, chunk), [B * s * n * Hv] * run.P, ctx.group)
+            gout = InFlight(layout.pack_out_grad(g_BsNH, chunk), [B * s * n * Hv] * run.P, ctx.group)
             kept, ctx.graphs[c] = ctx.graphs[c], None
             if kept is not None:  # 3. the kept graph, its q / k / v / o rebuilt (no copy where the layout is kept)
                 for name, values in (("q", q), ("k", k), ("v", v)):
@@ -271,7 +249,7 @@ class _HeadChunkedAttention(torch.autograd.Function):
             recv_sizes = [grad_chunk.qkv_numels(j, B, s, H, Hv) for j in range(run.P)]
             packed = layout.pack_qkv_grad(dq, dk[:, :last], dv[:, :last], grad_chunk)
             del dq, dk, dv  # packed: free them before the receive buffer is allocated
-            sent_grads = (_InFlight(packed, recv_sizes, ctx.group), grad_chunk)  # 4.
+            sent_grads = (InFlight(packed, recv_sizes, ctx.group), grad_chunk)  # 4.
             del packed
         landed(sent_grads[0].wait(), sent_grads[1])
         return (*grads, None, None, None, None, None, None, *param_grads)
