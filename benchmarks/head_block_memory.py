@@ -11,14 +11,21 @@ residual add after it does in a model), ``backward(dy)`` with a ``dy`` made befo
     blocks C=2, 4    sp_head_chunks=C (head blocks, the default): the whole module one block of heads
                      at a time (``memory.head_blocks``)
 
-Peak per rank: on CPU ``VmHWM - VmRSS`` around one forward + backward, glibc serving allocations
->= 64 KiB by mmap (so the RSS follows the live tensors); with ``--device cuda``
-``max_memory_allocated - memory_allocated`` (ranks share the GPUs over gloo where there are fewer
-than P). The least of 3 passes after a warm-up, max over ranks.
+Two peaks per rank, max over ranks:
 
-The goal of issue 23 in these terms: the module's sharded tensors every mode holds (its output, the
-input's gradient, and the attention output ``o_proj`` reads: ``3 * B*s*D*4`` bytes) plus at most
-``1/C`` of the unchunked module's remaining ("full-length") share.
+- measured: on CPU ``VmHWM - VmRSS`` around one forward + backward, glibc serving allocations >= 64 KiB
+  by mmap (so the RSS follows the live tensors, counting the pages written); with ``--device cuda``
+  ``max_memory_allocated - memory_allocated`` (ranks share the GPUs over gloo where there are fewer
+  than P). The least of 3 passes after a warm-up.
+- tracked: one more pass under ``live_tensors.LiveTensors``, which follows every storage an op
+  allocates until it is freed and says what is alive at the peak: "full-length" (tensors with a dim
+  of S, i.e. head-sharded q/k/v/o and their grads) and the flat "exchange" buffers (all-to-all
+  payloads and rebuilt kernel inputs: full-length data too) against "sharded" (the output, x's
+  gradient, the sharded attention output, per-block sequence-sharded tensors, weight grads).
+
+The goal of issue 23 in these terms: the most full-length bytes (full-length + exchange) alive at any
+moment of a chunked mode running C chunks at most ``1/C`` of the unchunked module's; its peak is then
+at most its sharded tensors plus ``1/C`` of the unchunked full-length share.
 
     .venv/bin/python benchmarks/head_block_memory.py --seq-lens 8192 16384 --sp-sizes 2 4 --kv-heads 8 4
     python benchmarks/head_block_memory.py --device cuda --dtype bfloat16 --seq-lens 32768 65536 --sp-sizes 2 \

@@ -11,10 +11,13 @@ the params (e.g. sinks). No full-length tensor outlives its chunk::
                kernel's graph is kept, but the q / k / v / o it saved are dropped (``SavedGraph``):
                only what it saves besides them stays (the log-sum-exp)
     backward   for c in chunks (same order):
-                 1. qkv(c) --a2a--> full length; the grads of chunk c-1 land meanwhile (2.); then o(c)
-                    and the output grad go(c) --a2a--> full length (3 collectives in all)
+                 1. the grads of chunk c-1 (step 4) land, before any buffer of chunk c exists
+                 2. qkv(c) --a2a--> full length; then o(c) and the output grad go(c) --a2a--> full
+                    length (3 collectives in all)
                  3. the kept graph's q / k / v / o rebuilt from them, the kernel's own backward
-                 4. dq|dk|dv(c) --a2a--> back to the sequence shards (in flight during c+1's step 1)
+                 4. dq|dk|dv(c) --a2a--> back to the sequence shards
+               (memory first: in flight beside another chunk's buffers, as the forward's prefetch is,
+               the exchanges of two chunks would be alive at the backward's peak)
 
 A kernel that saves a large tensor the graph cannot rebuild (a dropout mask, the gathered
 documents of packed rows, eager's probabilities) keeps no graph for that chunk: step 3 then
@@ -154,9 +157,9 @@ def _run_forward(q_BNsH, k_BKsH, v_BKsH, chunks: tuple[HeadChunk, ...], group: P
     qkv_next = run.send_qkv(q_BNsH, k_BKsH, v_BKsH, 0)
     for c, chunk in enumerate(chunks):
         qkv = qkv_next
+        q, k, v = run.receive_qkv(qkv.wait(), c)  # its buffers freed before the next chunk's exist
         if c + 1 < len(chunks):
             qkv_next = run.send_qkv(q_BNsH, k_BKsH, v_BKsH, c + 1)  # in flight while chunk c computes
-        q, k, v = run.receive_qkv(qkv.wait(), c)
         rngs[c] = RngState.capture(q.device) if replay_rng else None
         o_BSnH, graph = _attend_keeping_graph(attend, q, k, v, chunk, leaves, keep_graphs)
         recv_sizes = [B * s * (qb - qa) * Hv for qa, qb in chunk.q_ranges]
@@ -210,32 +213,30 @@ class _HeadChunkedAttention(torch.autograd.Function):
         pending, sent_grads = None, None
         for c, chunk in enumerate(run.chunks):
             n = chunk.num_local_heads(run.rank)[0]
-            qkv = None if ctx.prefetched else run.send_qkv(q_BNsH, k_BKsH, v_BKsH, c)  # 1.
-            if sent_grads is not None:  # 2.
+            if sent_grads is not None:  # 1. (before chunk c's buffers exist: one chunk's exchanges at a time)
                 landed(sent_grads[0].wait(), sent_grads[1])
-            q, k, v = (q_BNsH, k_BKsH, v_BKsH) if ctx.prefetched else run.receive_qkv(qkv.wait(), c)
-            # the output and its gradient once q|k|v are unpacked: their buffers never coexist with q|k|v's
-            o_in = InFlight(layout.pack_out_grad(out, chunk), [B * s * n * Hv] * run.P, ctx.group)
-            gout = InFlight(layout.pack_out_grad(g_BsNH, chunk), [B * s * n * Hv] * run.P, ctx.group)
+            q, k, v = (q_BNsH, k_BKsH, v_BKsH) if ctx.prefetched else run.receive_qkv(
+                run.send_qkv(q_BNsH, k_BKsH, v_BKsH, c).wait(), c)  # 2.
             kept, ctx.graphs[c] = ctx.graphs[c], None
+            # then o(c) and its gradient, one exchange at a time, each buffer freed once unpacked
+            o_in = InFlight(layout.pack_out_grad(out, chunk), [B * s * n * Hv] * run.P, ctx.group)
             if kept is not None:  # 3. the kept graph, its q / k / v / o rebuilt (no copy where the layout is kept)
                 for name, values in (("q", q), ("k", k), ("v", v)):
                     kept[0].rebuild(name, values)
                 del q, k, v
-                o_target = kept[0].target("o", out)
-                o_in.unpack(lambda buf: layout.unpack_out_grad(buf, chunk, run.rank, B, s, Hv, into=o_target))
-                del o_target
-                go_buf = gout.wait()
-                go = layout.unpack_out_grad(go_buf, chunk, run.rank, B, s, Hv)  # may be a view of go_buf
+                o_in.unpack(lambda buf: layout.unpack_out_grad(buf, chunk, run.rank, B, s, Hv,
+                                                               into=kept[0].target("o", out)))
+            else:  # 3. recompute (below): the output is not needed
+                free_storage(o_in.wait())
+            go_buf = InFlight(layout.pack_out_grad(g_BsNH, chunk), [B * s * n * Hv] * run.P, ctx.group).wait()
+            go = layout.unpack_out_grad(go_buf, chunk, run.rank, B, s, Hv)  # may be a view of go_buf
+            if kept is not None:
                 dq, dk, dv, dp = _graph_grads(kept, go, ctx.leaves)
-            else:  # 3. recompute (the RNG state of the forward replayed for dropout)
-                free_storage(o_in.wait())  # the output is not needed: the recompute makes it
-                go_buf = gout.wait()
-                go = layout.unpack_out_grad(go_buf, chunk, run.rank, B, s, Hv)
+            else:  # the RNG state of the forward replayed for dropout
                 with ctx.rng[c].replayed() if ctx.rng[c] is not None else contextlib.nullcontext():
                     dq, dk, dv, dp = _chunk_grads(ctx.attend, q, k, v, go, chunk, ctx.leaves)
                 del q, k, v
-            del kept, go
+            kept = go = None
             free_storage(go_buf)
             if ctx.prefetched:  # ours alone (this node runs backward once, inside a head block's)
                 free_storage(q_BNsH, k_BKsH, v_BKsH)
