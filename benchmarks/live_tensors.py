@@ -72,13 +72,21 @@ class LiveTensors(TorchDispatchMode):
 
 
 def sequence_classifier(S: int) -> Callable[[tuple[int, ...]], str]:
-    """Categories for one Ulysses attention at global length ``S``: ``"full-length"`` (a dim of ``S``: the
-    head-sharded q/k/v/o and their grads), ``"exchange"`` (a flat buffer: the all-to-all send / receive
-    buffers and rebuilt kernel inputs, all-to-all payloads of full-length data) and ``"sharded"`` (the rest:
-    sequence-sharded activations and grads, weights' grads)."""
+    """Categories for one Ulysses attention at global length ``S``:
+
+    - ``"full-length"``: a tensor with a dim of ``S`` after the first (the head-sharded q/k/v/o and their
+      grads, ``(B, n, S, H)`` or ``(B, S, n, H)``);
+    - ``"exchange"``: a flat buffer of at least ``S`` elements (the all-to-all send / receive buffers and
+      the rebuilt kernel inputs: full-length data too);
+    - ``"lse"``: ``(B, n, S)``, the kernel's log-sum-exp, which every mode keeps from forward to backward
+      for all heads (1/H of one q);
+    - ``"sharded"``: the rest (sequence-sharded activations and grads, weights' grads).
+    """
 
     def classify(shape: tuple[int, ...]) -> str:
-        if len(shape) == 1 and shape[0] >= S:
-            return "exchange"
+        if len(shape) == 1:
+            return "exchange" if shape[0] >= S else "sharded"
+        if len(shape) == 3 and shape[2] == S:
+            return "lse"
         return "full-length" if S in shape[1:] else "sharded"
     return classify

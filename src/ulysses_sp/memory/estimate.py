@@ -43,8 +43,9 @@ the kernel workspace shrinks by ``C``.
 Head blocks (``head_blocks``, ``G = len(head_block_ranges(N, K, A, C)) > 1``, ``memory.head_blocks``): the
 attention module saves its input and the sharded attention output only, so ``saved`` loses the
 q/k/v and the output's copy ``NH + 2KH + NH``; its backward holds the ``D`` input-gradient buffer,
-one block's sharded q/k/v grads and output grad and one set of its exchange buffers ``(3NH + 4KH) / G``
-(as measured on CPU: within 2% of the peak of ``benchmarks/alst_longest.py``), and the
+``(3NH + 4KH) / G`` (a block's sharded q/k/v grads, output grad and exchange buffers; the block now
+frees them as it goes, and the term stands for the post-attention norm / tiled-MLP tail the MLP term
+under-counts: within 1% of the measured peak of ``benchmarks/alst_longest.py``), and the
 block's full-length tensors ``chunk_live_bytes(HeadPlan(N_g, K_g, A), 1, ...)`` (a block with fewer
 kv heads than ``A`` ranks sends each of them to several ranks, so they count per rank).
 
