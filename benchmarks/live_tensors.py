@@ -62,7 +62,8 @@ class LiveTensors(TorchDispatchMode):
                 del self.tracked[key]
                 continue
             nbytes = torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes()
-            by_category[category] = by_category.get(category, 0) + nbytes
+            if nbytes:  # 0: freed in place, the storage object outliving its memory
+                by_category[category] = by_category.get(category, 0) + nbytes
         total = sum(by_category.values())
         if total > self.peak:
             self.peak, self.peak_by_category = total, by_category
