@@ -199,7 +199,7 @@ class _Ours:
         self.mesh = SPMesh.from_world(self.world)
         self.group = self.mesh.sp_group
         config = UlyssesSPConfig(sp_size=self.world, tiled_loss_tokens=args.loss_tile, tiled_mlp_tokens=args.mlp_tile,
-                                 offload_activations=True, sp_head_chunks=head_chunks,
+                                 offload_activations=True, recompute_norms=True, sp_head_chunks=head_chunks,
                                  sp_head_blocks=head_blocks)
         self.sp = UlyssesSP(model, self.mesh, config).register()
         self.optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)

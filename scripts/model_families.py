@@ -51,7 +51,8 @@ SCENARIOS: dict[str, dict[str, Any]] = {  # name -> CheckOptions fields (besides
     "padded+packed": {"seq_len": 23, "padding": True, "packed": True},  # S % P != 0, 2 rows, <= 3 docs each
 }
 MEMORY_FEATURES = {"tiled_loss_tokens": 5, "tiled_mlp_tokens": 3, "sp_head_chunks": 2, "gradient_checkpointing": True,
-                   "offload_activations": True}  # --memory-features: what the SP run adds (CheckOptions fields)
+                   "offload_activations": True, "recompute_norms": True}  # --memory-features: what the SP run
+                                                                            # adds (CheckOptions fields)
 if os.environ.get("MODEL_FAMILIES_DTYPE", "float32") != "float32":  # --dtype: both runs in that dtype
     SCENARIOS = {name: {**fields, "dtype": os.environ["MODEL_FAMILIES_DTYPE"]} for name, fields in SCENARIOS.items()}
 if os.environ.get("MODEL_FAMILIES_MEMORY") == "1":

@@ -17,7 +17,7 @@ from ulysses_sp.integrations.registration import Registration
 from ulysses_sp.integrations.transformers import UlyssesSP
 
 STEPS = ["_offload", "_registry_key", "_call_mask_hook", "_vision_hook", "_kernel", "_no_cache", "_tiled_mlp",
-         "_mixers", "_rope_length"]
+         "_norms", "_mixers", "_rope_length"]
 
 
 class FakeMesh:  # registration issues no collective: a one-process stand-in for a 2-rank SP group
@@ -49,7 +49,7 @@ def build():
     model = tiny_model("llama_dynamic")  # a length-dependent RoPE: step 9 hooks it
     model.activation_checkpointing_enable()  # step 1 (offload) wraps the checkpoint functions
     model.eval()
-    config = UlyssesSPConfig(sp_size=2, tiled_mlp_tokens=4, offload_activations=True)
+    config = UlyssesSPConfig(sp_size=2, tiled_mlp_tokens=4, offload_activations=True, recompute_norms=True)
     return model, UlyssesSP(model, FakeMesh(), config)
 
 

@@ -65,6 +65,11 @@ class UlyssesSPConfig:
             materialising the ``(s, V)`` logits (None = untiled).
         offload_activations: move checkpointed hidden states to CPU memory between forward and
             backward (needs activation / gradient checkpointing).
+        recompute_norms: RMSNorm modules whose forward is ``LlamaRMSNorm``'s code (Llama, Mistral,
+            Qwen2/3, ...) save only their input and recompute what they normalise in a backward run in
+            token tiles (``memory.rms_norm``): one ``(B, s, D)`` tensor less per norm held from forward
+            to backward (two in half precision), the same output, gradients equal up to rounding.
+            Other norms keep their own forward. False = the model's own norms.
         sp_head_chunks: ``ulysses`` only: run each rank's heads in this many chunks inside one
             autograd function that keeps only sharded tensors between forward and backward (the
             chunks' q/k/v/o are exchanged again for the backward), so the full-sequence q/k/v/o
@@ -101,6 +106,8 @@ class UlyssesSPConfig:
     tiled_loss_tokens: int | None = _field(None, "lm_head + loss in tiles of this many tokens (never the full logits)")
     offload_activations: bool = _field(False, "keep the inputs of checkpointed layers in CPU memory (needs "
                                        "activation checkpointing)")
+    recompute_norms: bool = _field(False, "Llama-style RMSNorms save only their input and recompute the rest "
+                                   "in a tiled backward (one (B, s, D) tensor less per norm)")
     sp_head_chunks: int = _field(1, "ulysses: heads per rank in this many chunks, so full-length attention "
                                  "tensors exist for one chunk at a time, forward and backward (1 = no chunking)")
     sp_head_chunk_mib: float | None = _field(None, "ulysses: head chunks chosen so one chunk's full-length attention "
@@ -143,6 +150,8 @@ class UlyssesSPConfig:
             raise ValueError(f"sp_head_blocks must be True or False, got {self.sp_head_blocks!r}.")
         if not isinstance(self.offload_activations, bool):
             raise ValueError(f"offload_activations must be True or False, got {self.offload_activations!r}.")
+        if not isinstance(self.recompute_norms, bool):
+            raise ValueError(f"recompute_norms must be True or False, got {self.recompute_norms!r}.")
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> UlyssesSPConfig:

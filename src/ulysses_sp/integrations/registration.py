@@ -12,10 +12,11 @@ reverse order::
     5. kernel        set_attn_implementation(key); vision / audio towers keep their own kernel
     6. use_cache     False on the model config and its text config
     7. tiled MLP     every .mlp wrapped in TiledMLP / TiledMoE (config.tiled_mlp_tokens)
-    8. head blocks   qualifying attention modules run one chunk of heads at a time, projections
+    8. norms         Llama-style RMSNorms save only their input (config.recompute_norms)
+    9. head blocks   qualifying attention modules run one chunk of heads at a time, projections
                      included (config.sp_head_chunks / sp_head_chunk_mib with sp_head_blocks)
-    9. mixers        SP forwards of linear-attention / state-space mixers
-   10. RoPE length   dynamic NTK / LongRoPE fed the global batch's length
+   10. mixers        SP forwards of linear-attention / state-space mixers
+   11. RoPE length   dynamic NTK / LongRoPE fed the global batch's length
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from ulysses_sp.integrations import vlm
 from ulysses_sp.integrations.adapter import AttentionAdapter, AttentionFunction
 from ulysses_sp.integrations.head_blocks import HeadBlocks
 from ulysses_sp.integrations.hf_internals import current_attn_implementation, unregister_attention_function
+from ulysses_sp.integrations.norms import fuse_rms_norms
 from ulysses_sp.integrations.rope import feed_global_length
 from ulysses_sp.memory import ActivationOffload, apply_tiled_mlp, remove_tiled_mlp
 from ulysses_sp.mixers import SPMixers
@@ -72,7 +74,7 @@ class Registration:
         if self._undo is not None:
             return
         steps = (self._offload, self._registry_key, self._call_mask_hook, self._vision_hook, self._kernel,
-                 self._no_cache, self._tiled_mlp, self._head_blocks, self._mixers, self._rope_length)
+                 self._no_cache, self._tiled_mlp, self._norms, self._head_blocks, self._mixers, self._rope_length)
         with contextlib.ExitStack() as stack:
             for step in steps:
                 step(stack)
@@ -135,6 +137,11 @@ class Registration:
         if self.config.tiled_mlp_tokens is not None:
             apply_tiled_mlp(self.base, self.config.tiled_mlp_tokens)  # checks every block before wrapping any
             stack.callback(remove_tiled_mlp, self.base)
+
+    def _norms(self, stack: contextlib.ExitStack) -> None:
+        if self.config.recompute_norms:
+            for handle in fuse_rms_norms(self.base):
+                stack.callback(handle.remove)  # undone in reverse order
 
     def _head_blocks(self, stack: contextlib.ExitStack) -> None:
         attention, config = self.adapter.attention, self.config

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 
 CONFIG_FLAGS = ("sp_size", "sp_ring_size", "sp_head_chunks", "sp_head_chunk_mib", "sp_head_blocks",
-                "tiled_loss_tokens", "tiled_mlp_tokens", "offload_activations")
+                "tiled_loss_tokens", "tiled_mlp_tokens", "offload_activations", "recompute_norms")
 """The ``UlyssesSPConfig`` fields the SP run takes from the command line (flags made from the config, as
 ``train``'s; the backend is ``ulysses``, the kernel ``--attn-implementation``, in both runs)."""
 
@@ -71,9 +71,10 @@ def format_report(report: CheckReport) -> str:
            f"{' (head blocks where the module allows)' if o.sp_head_blocks else ' (attention calls)'}, "
            f"activation checkpointing "
            f"{'on (train mode, dropout 0 in both runs)' if o.gradient_checkpointing else 'off'}"
-           f"{', offloaded' if o.offload_activations else ''}"]
+           f"{', offloaded' if o.offload_activations else ''}"
+           f"{', norms recomputed' if o.recompute_norms else ''}"]
           if o.tiled_loss_tokens or o.tiled_mlp_tokens or o.sp_head_chunks > 1 or o.sp_head_chunk_mib
-          or o.gradient_checkpointing else []),
+          or o.gradient_checkpointing or o.recompute_norms else []),
         "",
         f"  {'quantity':<22}{'reference':>14}{'SP':>14}{'abs diff':>11}{'rel diff':>11}{'tolerance':>11}  result",
         f"  {'loss':<22}{c.loss_ref:>14.6f}{c.loss_sp:>14.6f}{c.loss_abs:>11.2e}{c.loss_rel:>11.2e}"

@@ -148,7 +148,7 @@ def _sp_worker(rank: int, world: int, opts: CheckOptions, tensors: dict[str, tor
     config = UlyssesSPConfig(sp_size=world, sp_ring_size=opts.sp_ring_size, tiled_loss_tokens=opts.tiled_loss_tokens,
                              tiled_mlp_tokens=opts.tiled_mlp_tokens, sp_head_chunks=opts.sp_head_chunks,
                              sp_head_chunk_mib=opts.sp_head_chunk_mib, sp_head_blocks=opts.sp_head_blocks,
-                             offload_activations=opts.offload_activations)
+                             offload_activations=opts.offload_activations, recompute_norms=opts.recompute_norms)
     if opts.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     with UlyssesSP(model, mesh, config) as sp:

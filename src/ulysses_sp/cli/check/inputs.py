@@ -46,6 +46,7 @@ class CheckOptions:
     # the config set to 0 so that train mode is deterministic); offload: its layer inputs on the CPU
     gradient_checkpointing: bool = False
     offload_activations: bool = False
+    recompute_norms: bool = False  # the SP run's Llama-style RMSNorms save only their input (UlyssesSPConfig's)
 
 
 @dataclass
