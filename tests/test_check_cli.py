@@ -200,7 +200,7 @@ def test_check_flags_come_from_the_config():
     add_arguments(parser)
     actions = {a.dest: a for a in parser._actions}
     fields = {f.name: f for f in dataclasses.fields(UlyssesSPConfig)}
-    assert len(CONFIG_FLAGS) == 8  # the six of issue 26 + sp_head_chunk_mib + sp_head_blocks
+    assert len(CONFIG_FLAGS) == 9  # the six of issue 26 + sp_head_chunk_mib + sp_head_blocks + recompute_norms
     for name in CONFIG_FLAGS:
         action, field = actions[name], fields[name]
         flag = "--" + name.replace("_", "-")
