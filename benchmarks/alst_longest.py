@@ -15,10 +15,11 @@ in every system, so the systems differ only in what they keep per token:
              token-weighted all-gather aggregation of the SP group's losses), and non-reentrant
              activation checkpointing of every decoder layer.
     ours     ``UlyssesSPConfig(sp_size=2, tiled_loss_tokens=T1, tiled_mlp_tokens=T2,
-             offload_activations=True, sp_head_chunks=C)``, C = heads per rank (one head per chunk,
-             ``--head-chunks``), checkpointing, ``sp.shard`` + ``sp.forward_loss`` (long_sequence.py's path).
-             The attention modules run as head blocks (``sp_head_blocks``, default): q/k/v projections,
-             RoPE, attention and o_proj one chunk of heads at a time.
+             offload_activations=True, recompute_norms=True, sp_head_chunks=C)``, C = heads per rank
+             (one head per chunk, ``--head-chunks``), checkpointing, ``sp.shard`` + ``sp.forward_loss``
+             (long_sequence.py's path). The attention modules run as head blocks (``sp_head_blocks``,
+             default): q/k/v projections, RoPE, attention and o_proj one chunk of heads at a time; the
+             RMSNorms save only their input (``recompute_norms``).
     ours_calls  the same with ``sp_head_blocks=False``: only the attention call is chunked.
     ours_c1  the same with ``sp_head_chunks=1``: the head chunking's own effect.
 
@@ -384,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
 
     load_start, t0 = os.getloadavg(), time.time()
     log(f"model {model_config(args)}; fp32; SDPA; P=2 gloo, 1 thread per rank; budget {args.budget_mib:g} MiB per "
-        f"rank; loss tile {args.loss_tile}, MLP tile {args.mlp_tile} tokens (both systems); ours: sp_head_chunks="
+        f"rank; loss tile {args.loss_tile}, MLP tile {args.mlp_tile} tokens (both systems); ours: recompute_norms, sp_head_chunks="
         f"{args.head_chunks} (head blocks; ours_calls: attention calls only), ours_c1: 1; torch {torch.__version__}, transformers {transformers.__version__}, "
         f"deepspeed {deepspeed.__version__}")
     log("offload: moot on this CPU-only machine (host = device); ours keeps offload_activations=True, ALST's "
