@@ -4,14 +4,13 @@ examples/accelerate_train.py launched with ``accelerate launch`` against a one-p
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from dist_helper import spawn
+from dist_helper import run_launcher, spawn
 from ulysses_sp import free_port
 from ulysses_sp.config import UlyssesSPConfig
 from ulysses_sp.integrations.accelerate import config_from_accelerate
@@ -130,7 +129,7 @@ def run_example(tmp: Path, name: str, nproc: int, *args: str) -> list[dict]:
            "--main_process_port", str(free_port()),
            str(ROOT / "examples" / "accelerate_train.py"), "--log-file", str(log), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp)
+    out = run_launcher(cmd, 300, env=env, cwd=tmp)
     assert out.returncode == 0, out.stderr[-3000:]
     return [json.loads(line) for line in log.read_text().splitlines()]
 

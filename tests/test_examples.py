@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from dist_helper import run_launcher
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -15,8 +17,7 @@ def run_torchrun(nproc: int, *args: str) -> list[dict]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
            str(ROOT / "examples" / "torchrun_train.py"), *args]
     try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                             env={**os.environ, "OMP_NUM_THREADS": "1"})
+        out = run_launcher(cmd, 300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     except subprocess.TimeoutExpired as err:  # show where it stood (stdout: the steps done)
         raise AssertionError(f"torchrun hung; stdout: {err.stdout!r:.2000}; stderr: {err.stderr!r:.3000}") from None
     assert out.returncode == 0, out.stderr[-3000:]
@@ -53,3 +54,19 @@ def test_torchrun_example_resume_matches_uninterrupted_run(torchrun_sp2):
         # 1e-6 relative only allows for a different gloo reduction order
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-6)
+
+
+def test_a_timed_out_launch_leaves_no_rank_behind():
+    """Bug caught: a launch that times out (a hung torchrun / accelerate launch in these tests) killing
+    only the launcher, its ranks left waiting on a dead peer and taking the cores of every later test."""
+    child = "import time; time.sleep(120)"
+    # the rank does not hold the launcher's pipes, so only killing it ends it (not the pipes closing)
+    parent = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', %r], "
+              "stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL); print(p.pid, flush=True); time.sleep(120)"
+              % child)
+    with pytest.raises(subprocess.TimeoutExpired) as caught:
+        run_launcher([sys.executable, "-c", parent], 3)
+    rank = int(caught.value.output.split()[0])
+    status = Path(f"/proc/{rank}/status")
+    # killed with its group: gone, or a zombie until the container's init reaps it
+    assert not status.exists() or "State:\tZ" in status.read_text()

@@ -7,14 +7,13 @@ faster to start).
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from dist_helper import spawn
+from dist_helper import run_launcher, spawn
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "trainer_train.py"
@@ -24,7 +23,7 @@ def run_example(nproc: int, tmp: Path, name: str, *args: str) -> list[dict]:
     log = tmp / f"{name}.jsonl"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), str(EXAMPLE),
            "--output-dir", str(tmp / name), "--log-file", str(log), *args]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    out = run_launcher(cmd, 300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stderr[-4000:]
     return [json.loads(line) for line in log.read_text().splitlines()]
 
