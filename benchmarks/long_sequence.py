@@ -146,13 +146,11 @@ def trial_worker(rank: int, world: int, mode: str, seq_len: int, tiles: tuple, o
     model = _model()
     runner = _Plain(model) if mode == "plain" else _Sharded(model, tiles, mode)
     runner.step(128)  # warm-up: lazy inits, thread pools, optimizer states
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset VmHWM to the current RSS
-    base = memory_ablation.rss_kib("VmRSS") * 1024
+    base = memory_ablation.memory_mark(torch.device("cpu"))  # VmHWM reset to the current RSS
     start = time.perf_counter()
     info = runner.step(seq_len)
     seconds = time.perf_counter() - start
-    peak = memory_ablation.rss_kib("VmHWM") * 1024 - base
+    peak = memory_ablation.memory_peak(torch.device("cpu")) - base
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump({"peak": peak, "base": base, "seconds": seconds, **info}, f)
 

@@ -54,6 +54,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
+# the library's one peak measurement; the other memory benchmarks take it from here
+from ulysses_sp import memory_mark, memory_peak, process_status_bytes  # noqa: E402,F401
+
 MODEL = dict(vocab_size=32000, hidden_size=128, intermediate_size=344, num_hidden_layers=2, num_attention_heads=2,
              num_key_value_heads=2, max_position_embeddings=1 << 17, tie_word_embeddings=False)
 RUNGS = ("plain", "tiled_loss", "ulysses", "tiled_mlp", "offload")
@@ -69,30 +72,7 @@ LOSS_TILE, MLP_TILE, GRANULE = 32, 256, 32
 
 def rss_kib(field: str) -> int:
     """``field`` of ``/proc/self/status`` (VmRSS, VmHWM) in KiB; shared by the memory benchmarks."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
-def memory_mark(device: torch.device) -> int:
-    """Start a peak measurement on ``device``; bytes in use now (CUDA: allocated; CPU: VmRSS, VmHWM reset to it)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        return torch.cuda.memory_allocated()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # VmHWM := VmRSS
-    return rss_kib("VmRSS") * 1024
-
-
-def memory_peak(device: torch.device) -> int:
-    """The peak bytes since :func:`memory_mark` (CUDA: max allocated; CPU: VmHWM); subtract the mark."""
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated()
-    return rss_kib("VmHWM") * 1024
+    return process_status_bytes(field) // 1024
 
 
 def _build(device: str, fsdp2: bool = False):

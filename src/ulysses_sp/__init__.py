@@ -84,6 +84,9 @@ from ulysses_sp.memory import (
     apply_tiled_mlp,
     estimate_peak_memory,
     longest_sequence,
+    memory_mark,
+    memory_peak,
+    process_status_bytes,
     remove_tiled_mlp,
 )
 
@@ -112,7 +115,8 @@ __all__ = [
     "all_reduce_sum", "answer_positions", "answer_scores", "apply_tiled_mlp", "attention_comm", "auto_ring_size",
     "build_attention", "check_batch", "check_same_across_ranks", "check_sp_size", "close_world", "collective_device",
     "dp_sampler_kwargs", "estimate_peak_memory", "free_port", "gather_signature", "get_kernel", "global_num_items",
-    "local_backend", "longest_sequence", "remove_tiled_mlp", "reported_loss", "shard_batch", "sp_token_loss", "spawn",
+    "local_backend", "longest_sequence", "memory_mark", "memory_peak", "process_status_bytes", "remove_tiled_mlp",
+    "reported_loss", "shard_batch", "sp_token_loss", "spawn",
     "tiled_token_loss", "validate_same_batch",
     *_LAZY, "__version__",
 ]

@@ -9,6 +9,7 @@ code written otherwise) keep their own forward.
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -19,6 +20,7 @@ from ulysses_sp.memory.rms_norm import rms_norm
 from ulysses_sp.swaps import InstanceForward, instance_forward
 
 
+@functools.lru_cache(maxsize=None)  # per class: every norm of a model shares one
 def _source(cls: type) -> str | None:
     try:
         return "\n".join(line.strip() for line in inspect.getsource(cls.forward).splitlines())

@@ -24,35 +24,10 @@ import tempfile
 
 import torch
 
-from ulysses_sp import SPMesh, UlyssesAttention, local_backend, spawn
+from ulysses_sp import SPMesh, UlyssesAttention, local_backend, memory_mark, memory_peak, spawn
 
 _M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
 REPEATS = 3  # measured passes per chunk count after the warm-up; the least peak is reported
-
-
-def _status_bytes(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
-def _mark(device: torch.device) -> int:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        return torch.cuda.memory_allocated()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # VmHWM := VmRSS
-    return _status_bytes("VmRSS")
-
-
-def _peak(device: torch.device) -> int:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated()
-    return _status_bytes("VmHWM")
 
 
 def _worker(rank: int, world: int, shape: tuple, dtype: str, chunks: list[int], out_path: str,
@@ -73,10 +48,10 @@ def _worker(rank: int, world: int, shape: tuple, dtype: str, chunks: list[int], 
         q.grad = k.grad = v.grad = None
         measured = []
         for _ in range(REPEATS):  # the least of a few: one-off growth (collective buffers) is not the layer's
-            base = _mark(device)
+            base = memory_mark(device)
             o = attention(q, k, v)  # held through the backward, as the o_proj after it saves it in a model
             o.sum().backward()
-            measured.append(_peak(device) - base)
+            measured.append(memory_peak(device) - base)
             del o
             q.grad = k.grad = v.grad = None
         peaks[C] = min(measured)
